@@ -1,0 +1,210 @@
+"""Bring the embedded Prefect stack up and down: a local server on SQLite, a process work pool and a worker.
+
+Prefect's ephemeral mode serves one process only (each Dask worker process
+would start its own temporary server on the same SQLite file), so the laptop
+default is a real `prefect server` under a project directory. Everything lives
+in `FACTORY_HOME` (default `./.factory`): the Prefect home and database, pid
+files and logs.
+
+    factory-local up       # server + work pool + worker, waits until healthy
+    factory-local env      # prints the exports that point a shell at it
+    factory-local status
+    factory-local down     # SIGINT to the worker, SIGTERM to the server
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 4200
+DEFAULT_POOL = "local-process"
+
+
+@dataclass(frozen=True)
+class LocalPrefect:
+    """Where the local stack lives and how to reach it."""
+
+    home: Path
+    port: int = DEFAULT_PORT
+    pool: str = DEFAULT_POOL
+
+    @classmethod
+    def from_env(cls) -> LocalPrefect:
+        home = Path(os.environ.get("FACTORY_HOME", ".factory")).absolute()
+        return cls(home=home, port=int(os.environ.get("FACTORY_PREFECT_PORT", DEFAULT_PORT)))
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def environ(self) -> dict[str, str]:
+        """Variables that point Prefect clients and servers at this stack."""
+        prefect_home = self.home / "prefect"
+        return {
+            "PREFECT_HOME": str(prefect_home),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{prefect_home / 'prefect.db'}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(self.port),
+            "PREFECT_UI_API_URL": self.api_url,
+            "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
+        }
+
+    def _pidfile(self, name: str) -> Path:
+        return self.home / f"{name}.pid"
+
+    def _log(self, name: str) -> Path:
+        return self.home / f"{name}.log"
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=timeout) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _start(self, name: str, argv: list[str]) -> int:
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.environ()}
+        with open(self._log(name), "ab") as log:
+            process = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        self._pidfile(name).write_text(str(process.pid))
+        return process.pid
+
+    def _pid(self, name: str) -> int | None:
+        try:
+            pid = int(self._pidfile(name).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return pid
+
+    def up(self, *, worker: bool = True, timeout: float = 120.0) -> None:
+        """Start what is not running yet and wait for the API to answer."""
+        if self._pid("server") is None:
+            if _port_busy(self.port) and not self.healthy():
+                raise RuntimeError(
+                    f"port {self.port} is taken by something that is not a Prefect server; "
+                    "set FACTORY_PREFECT_PORT to a free port"
+                )
+            if not self.healthy():
+                self._start("server", [sys.executable, "-m", "prefect", "server", "start"])
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self._pid("server") is None:
+                raise RuntimeError(f"the Prefect server exited during start-up; see {self._log('server')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not answer within {timeout:.0f}s; see {self._log('server')}")
+            time.sleep(0.5)
+        self._ensure_pool()
+        if worker and self._pid("worker") is None:
+            self._start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process"])
+
+    def _ensure_pool(self) -> None:
+        env = {**os.environ, **self.environ()}
+        listing = subprocess.run(
+            [sys.executable, "-m", "prefect", "work-pool", "inspect", self.pool], env=env, capture_output=True, text=True
+        )
+        if listing.returncode == 0:
+            return
+        created = subprocess.run(
+            [sys.executable, "-m", "prefect", "work-pool", "create", self.pool, "--type", "process"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if created.returncode != 0 and "already exists" not in created.stdout + created.stderr:
+            raise RuntimeError(f"could not create work pool {self.pool!r}: {created.stdout}{created.stderr}")
+
+    def down(self, timeout: float = 30.0) -> None:
+        """Stop the worker (SIGINT, its clean stop) and then the server."""
+        for name, sig in (("worker", signal.SIGINT), ("server", signal.SIGTERM)):
+            pid = self._pid(name)
+            if pid is None:
+                self._pidfile(name).unlink(missing_ok=True)
+                continue
+            _signal_group(pid, sig)
+            if not _wait_gone(pid, timeout):
+                _signal_group(pid, signal.SIGKILL)
+                _wait_gone(pid, 5)
+            self._pidfile(name).unlink(missing_ok=True)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "api_url": self.api_url,
+            "healthy": self.healthy(),
+            "server_pid": self._pid("server"),
+            "worker_pid": self._pid("worker"),
+            "home": str(self.home),
+        }
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            waited, _ = os.waitpid(pid, os.WNOHANG)
+            if waited == pid:
+                return True
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="factory-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down", "status", "env"])
+    parser.add_argument("--no-worker", action="store_true", help="start the server and pool only")
+    args = parser.parse_args(argv)
+    stack = LocalPrefect.from_env()
+    if args.command == "up":
+        stack.up(worker=not args.no_worker)
+        print(f"Prefect is up at {stack.api_url} (UI: http://127.0.0.1:{stack.port}); work pool '{stack.pool}'.")
+        print(f"Point a shell at it with: eval \"$(factory-local env)\"")
+    elif args.command == "down":
+        stack.down()
+        print("Prefect stack stopped.")
+    elif args.command == "env":
+        for key, value in stack.environ().items():
+            print(f"export {key}={value!r}")
+    else:
+        for key, value in stack.status().items():
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

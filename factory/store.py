@@ -1,0 +1,358 @@
+"""The shard store: crash-safe Parquet shards plus a commit log, the only hand-off between stages.
+
+Layout under `root`::
+
+    <run_id>/shards/<producer>-<chunk:08d>.parquet   committed shards (zstd, page checksums)
+    <run_id>/shards/.<name>.<nonce>.tmp               a shard being written (hidden from globbing readers)
+    <run_id>/commits.jsonl                            one line per commit: shard, rows, bytes, sha256
+
+A commit writes a hidden temporary file, fsyncs it, renames it into place and
+only then appends to the commit log, all renames and appends under one lock.
+Readers trust the commit log: a shard that is not logged, has the wrong size,
+or fails its page checksums is reported with its path and left out.
+Shard names are a pure function of (run, producer, chunk), so a retried or
+resumed writer skips (or, asked to, replaces) a chunk instead of duplicating it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from environments.types import ScoredGroup
+from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
+
+logger = logging.getLogger(__name__)
+
+_NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")
+WRITE_BATCH_GROUPS = 64
+"""Groups converted to Arrow at a time while writing: bounds the writer's memory."""
+READ_BATCH_GROUPS = 64
+
+
+class StoreError(RuntimeError):
+    """A store operation that cannot go on; the message says which path and why."""
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """One line of a run's commit log."""
+
+    shard: str
+    run_id: str
+    producer: str
+    chunk: int
+    rows: int
+    bytes: int
+    sha256: str
+    committed_at: str
+    skipped: bool = field(default=False, compare=False)
+    """True when `commit` found the chunk already committed and wrote nothing."""
+
+    def to_json(self) -> str:
+        record = asdict(self)
+        record.pop("skipped")
+        return json.dumps(record, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ShardProblem:
+    """A committed shard that cannot be served, and why."""
+
+    path: str
+    reason: str
+
+
+def shard_name(producer: str, chunk: int) -> str:
+    """Deterministic file name of a chunk's shard."""
+    return f"{producer}-{chunk:08d}.parquet"
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not _NAME_PART.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a valid name: use letters, digits, '_', '-', '.', '=' "
+            "(at most 128 characters, starting with a letter or digit)"
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ShardStore:
+    """A directory of runs, each a set of committed Parquet shards of `ScoredGroup`s."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        root_str = os.fspath(root)
+        if root_str.startswith("file://"):
+            root_str = root_str[len("file://") :]
+        if "://" in root_str:
+            raise StoreError(
+                f"store root {root_str!r} is a URL; the store commits by POSIX rename and fsync, "
+                "so point it at a local or mounted (NFS, Lustre, GPFS) directory"
+            )
+        self.root = Path(root_str).expanduser().absolute()
+        self.problems: list[ShardProblem] = []
+        """Shards left out of the most recent reads, with the reason."""
+
+    # ---- paths ----
+    def run_dir(self, run_id: str) -> Path:
+        _check_name("run_id", run_id)
+        return self.root / run_id
+
+    def shards_dir(self, run_id: str) -> Path:
+        return self.run_dir(run_id) / "shards"
+
+    def commit_log(self, run_id: str) -> Path:
+        return self.run_dir(run_id) / "commits.jsonl"
+
+    def runs(self) -> list[str]:
+        """Runs that have a commit log, sorted by name."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / "commits.jsonl").is_file())
+
+    @contextmanager
+    def _locked(self, run_id: str) -> Iterator[None]:
+        run_dir = self.run_dir(run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    # ---- writing ----
+    def commit(
+        self,
+        run_id: str,
+        producer: str,
+        chunk: int,
+        groups: Iterable[ScoredGroup | dict[str, Any]],
+        *,
+        replace: bool = False,
+        row_group_groups: int = 256,
+    ) -> CommitRecord:
+        """Write `groups` as the shard of (run, producer, chunk) and commit it atomically.
+
+        An already committed chunk is skipped (the returned record has
+        `skipped=True`) unless `replace` is set. Dicts are validated as
+        `ScoredGroup`s; a bad group raises before anything becomes visible.
+        An empty chunk commits an empty shard, which marks the chunk done.
+        """
+        _check_name("producer", producer)
+        if chunk < 0:
+            raise ValueError(f"chunk must be >= 0, got {chunk}")
+        name = shard_name(producer, chunk)
+        if not replace and (existing := self.committed(run_id).get(name)) is not None:
+            return CommitRecord(**{**asdict(existing), "skipped": True})
+
+        shards = self.shards_dir(run_id)
+        shards.mkdir(parents=True, exist_ok=True)
+        tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            rows = self._write_parquet(tmp, groups, row_group_groups)
+            size = tmp.stat().st_size
+            checksum = _sha256(tmp)
+            record = CommitRecord(
+                shard=name,
+                run_id=run_id,
+                producer=producer,
+                chunk=chunk,
+                rows=rows,
+                bytes=size,
+                sha256=checksum,
+                committed_at=datetime.now(timezone.utc).isoformat(),
+            )
+            with self._locked(run_id):
+                if not replace and (existing := self.committed(run_id).get(name)) is not None:
+                    return CommitRecord(**{**asdict(existing), "skipped": True})
+                os.replace(tmp, shards / name)
+                _fsync_dir(shards)
+                with open(self.commit_log(run_id), "a", encoding="utf-8") as log:
+                    log.write(record.to_json() + "\n")
+                    log.flush()
+                    os.fsync(log.fileno())
+        finally:
+            tmp.unlink(missing_ok=True)
+        logger.debug("committed %s (%d groups, %d bytes)", shards / name, rows, size)
+        return record
+
+    @staticmethod
+    def _write_parquet(path: Path, groups: Iterable[ScoredGroup | dict[str, Any]], row_group_groups: int) -> int:
+        rows = 0
+        pending: list[ScoredGroup] = []
+        with open(path, "wb") as handle:
+            writer = pq.ParquetWriter(
+                handle, GROUP_SCHEMA, compression="zstd", write_page_checksum=True, use_dictionary=["env", "run_id"]
+            )
+            try:
+                for index, group in enumerate(groups):
+                    if not isinstance(group, ScoredGroup):
+                        try:
+                            group = ScoredGroup.model_validate(group)
+                        except ValueError as error:
+                            raise ValueError(f"group {index} of the chunk is invalid: {error}") from error
+                    pending.append(group)
+                    if len(pending) >= WRITE_BATCH_GROUPS:
+                        writer.write_batch(groups_to_record_batch(pending), row_group_size=row_group_groups)
+                        rows += len(pending)
+                        pending.clear()
+                if pending or rows == 0:
+                    writer.write_batch(groups_to_record_batch(pending), row_group_size=row_group_groups)
+                    rows += len(pending)
+            finally:
+                writer.close()
+            handle.flush()
+            os.fsync(handle.fileno())
+        return rows
+
+    def write_run_file(self, run_id: str, name: str, text: str) -> Path:
+        """Atomically write a small file next to a run's shards (resolved config, stats)."""
+        _check_name("file name", name)
+        run_dir = self.run_dir(run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, run_dir / name)
+        return run_dir / name
+
+    # ---- the commit log ----
+    def committed(self, run_id: str) -> dict[str, CommitRecord]:
+        """Committed shards of a run by name, in commit order; the latest record of a shard wins."""
+        log_path = self.commit_log(run_id)
+        records: dict[str, CommitRecord] = {}
+        if not log_path.is_file():
+            return records
+        with open(log_path, encoding="utf-8") as log:
+            for number, line in enumerate(log, 1):
+                if not line.endswith("\n"):
+                    logger.warning("%s:%d: ignoring a torn last line (crash during append)", log_path, number)
+                    break
+                try:
+                    record = CommitRecord(**json.loads(line))
+                except (ValueError, TypeError) as error:
+                    logger.error("%s:%d: unreadable commit record left out: %s", log_path, number, error)
+                    continue
+                records.pop(record.shard, None)
+                records[record.shard] = record
+        return records
+
+    def is_committed(self, run_id: str, producer: str, chunk: int) -> bool:
+        return shard_name(producer, chunk) in self.committed(run_id)
+
+    # ---- reading ----
+    def shard_paths(self, run_id: str, *, checksum: bool = False) -> list[Path]:
+        """Paths of a run's committed, intact shards in commit order.
+
+        Each is checked against its logged size (and, with `checksum`, its
+        sha256); problems go to `self.problems` and the log, and the shard is
+        left out.
+        """
+        self.problems = []
+        paths = []
+        shards = self.shards_dir(run_id)
+        for record in self.committed(run_id).values():
+            path = shards / record.shard
+            problem = self._check(path, record, checksum)
+            if problem:
+                self.problems.append(ShardProblem(str(path), problem))
+                logger.error("shard %s left out of reads: %s", path, problem)
+            else:
+                paths.append(path)
+        return paths
+
+    @staticmethod
+    def _check(path: Path, record: CommitRecord, checksum: bool) -> str | None:
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return "missing"
+        if size != record.bytes:
+            return f"size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)"
+        if checksum and _sha256(path) != record.sha256:
+            return "sha256 differs from the commit log (corrupt)"
+        return None
+
+    def verify(self, run_id: str) -> list[ShardProblem]:
+        """Full check of every committed shard: size, sha256, and a readable footer."""
+        paths = self.shard_paths(run_id, checksum=True)
+        problems = list(self.problems)
+        for path in paths:
+            try:
+                pq.ParquetFile(path).metadata
+            except (OSError, pa.ArrowException) as error:
+                problems.append(ShardProblem(str(path), f"unreadable Parquet: {error}"))
+        self.problems = problems
+        return problems
+
+    def iter_batches(
+        self, run_id: str, *, columns: list[str] | None = None, batch_size: int = READ_BATCH_GROUPS
+    ) -> Iterator[pa.RecordBatch]:
+        """Stream a run's groups as Arrow record batches, one shard at a time.
+
+        A shard whose pages fail their checksums is reported and skipped
+        whole; batches already yielded from it are not taken back, so callers
+        that need all-or-nothing per shard should use `iter_shard_batches`.
+        """
+        for path in self.shard_paths(run_id):
+            yield from self._read_shard(path, columns, batch_size)
+
+    def iter_shard_batches(
+        self, path: Path, *, columns: list[str] | None = None, batch_size: int = READ_BATCH_GROUPS
+    ) -> Iterator[pa.RecordBatch]:
+        yield from self._read_shard(path, columns, batch_size)
+
+    def _read_shard(self, path: Path, columns: list[str] | None, batch_size: int) -> Iterator[pa.RecordBatch]:
+        try:
+            parquet = pq.ParquetFile(path, page_checksum_verification=True)
+            yield from parquet.iter_batches(batch_size=batch_size, columns=columns)
+        except (OSError, pa.ArrowException) as error:
+            problem = ShardProblem(str(path), f"unreadable: {error}")
+            self.problems.append(problem)
+            logger.error("shard %s left out of reads: %s", path, problem.reason)
+
+    def iter_groups(self, run_id: str, *, validate: bool = False) -> Iterator[ScoredGroup]:
+        """Stream a run's groups as `ScoredGroup`s in commit order."""
+        for batch in self.iter_batches(run_id):
+            yield from record_batch_to_groups(batch, validate=validate)
+
+    def dataset(self, run_id: str) -> ds.Dataset:
+        """A `pyarrow.dataset` over the run's committed, intact shards."""
+        return ds.dataset([str(p) for p in self.shard_paths(run_id)], schema=GROUP_SCHEMA, format="parquet")
+
+    def count(self, run_id: str) -> int:
+        """Groups committed in a run (from the commit log; no shard is opened)."""
+        return sum(record.rows for record in self.committed(run_id).values())

@@ -1,0 +1,24 @@
+"""Prefect task that commits a chunk of groups as one shard (a thin wrapper over `ShardStore.commit`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefect import task
+
+from environments.types import ScoredGroup
+from factory.store import CommitRecord, ShardStore
+
+
+def write_shard(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup]) -> CommitRecord:
+    """Commit `groups` as the shard of (run, producer, chunk); a committed chunk is skipped."""
+    return ShardStore(root).commit(run_id, producer, chunk, groups)
+
+
+write_shard_task = task(
+    write_shard,
+    name="write-shard",
+    task_run_name="write-shard-{producer}-{chunk}",
+    retries=2,
+    retry_delay_seconds=[1, 5],
+)
