@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from environments.types import GROUP_META_FIELDS, GROUP_WIRE_FIELDS, ScoredGroup
+from environments.groups import GROUP_META_FIELDS, GROUP_WIRE_FIELDS, ScoredGroup
 
 _INT_2D = pa.list_(pa.list_(pa.int32()))
 _FLOAT_2D = pa.list_(pa.list_(pa.float64()))

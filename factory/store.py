@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from environments.types import ScoredGroup
+from environments.groups import ScoredGroup
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
 
 logger = logging.getLogger(__name__)

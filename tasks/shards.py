@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from prefect import task
 
-from environments.types import ScoredGroup
+from environments.groups import ScoredGroup
 from factory.store import CommitRecord, ShardStore
 
 
