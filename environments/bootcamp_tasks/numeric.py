@@ -1,0 +1,125 @@
+"""Number task families: arithmetic, linear equations, sorting, maxima, gcd, remainders and base conversion."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from environments.bootcamp_tasks.base import TaskFamily, check_int, check_int_list
+
+
+def _digits(rng: random.Random, n: int) -> int:
+    return rng.randint(10 ** (n - 1), 10**n - 1) if n > 1 else rng.randint(1, 9)
+
+
+class Arithmetic(TaskFamily):
+    name = "arithmetic"
+    description = "Integer expressions: 2-digit sums at level 1, mixed operations with precedence later."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        if difficulty == 1:
+            a, b = _digits(rng, 2), _digits(rng, 2)
+            expr = f"{a}+{b}"
+        elif difficulty == 2:
+            a, b = _digits(rng, 3), _digits(rng, 2)
+            expr = f"{a}{rng.choice('+-')}{b}"
+        elif difficulty == 3:
+            expr = f"{_digits(rng, 2)}*{_digits(rng, 1)}{rng.choice('+-')}{_digits(rng, 2)}"
+        else:
+            terms = [str(_digits(rng, difficulty - 2)) for _ in range(difficulty)]
+            ops = [rng.choice("+-*") for _ in range(difficulty - 1)]
+            expr = terms[0] + "".join(op + t for op, t in zip(ops, terms[1:]))
+        # eval on a string built only from digits and + - * above.
+        return f"Compute {expr}.", str(eval(expr))  # noqa: S307
+
+    def check(self, expected: str, given: str) -> bool:
+        return check_int(expected, given)
+
+
+class LinearEquation(TaskFamily):
+    name = "linear_equation"
+    description = "Solve a*x + b = c for an integer x."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        span = 5 * difficulty
+        x = rng.randint(-span, span) if difficulty > 1 else rng.randint(1, 9)
+        a = rng.randint(2, 2 + 2 * difficulty) * (rng.choice([1, -1]) if difficulty > 2 else 1)
+        b = rng.randint(1, 10 * difficulty)
+        return f"Solve {a}x+{b}={a * x + b}. x=?", str(x)
+
+    def check(self, expected: str, given: str) -> bool:
+        return check_int(expected, given)
+
+
+class Sorting(TaskFamily):
+    name = "sorting"
+    description = "Sort small integers ascending; answer comma-separated."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        count, top = 2 + difficulty, 9 if difficulty == 1 else 10 ** min(difficulty, 3)
+        values = [rng.randint(0, top) for _ in range(count)]
+        shown = ",".join(map(str, values))
+        return f"Sort ascending: {shown}.", ",".join(map(str, sorted(values)))
+
+    def check(self, expected: str, given: str) -> bool:
+        return check_int_list(expected, given)
+
+
+class ListMax(TaskFamily):
+    name = "list_max"
+    description = "The largest number in a short list."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        values = rng.sample(range(0, 10 ** min(difficulty + 1, 4)), 2 + difficulty)
+        return f"Largest of {','.join(map(str, values))}?", str(max(values))
+
+    def check(self, expected: str, given: str) -> bool:
+        return check_int(expected, given)
+
+
+class Gcd(TaskFamily):
+    name = "gcd"
+    description = "Greatest common divisor of two numbers."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        factor = rng.randint(2, 3 + 3 * difficulty)
+        a, b = factor * rng.randint(1, 5 * difficulty), factor * rng.randint(1, 5 * difficulty)
+        return f"gcd({a},{b})=?", str(math.gcd(a, b))
+
+    def check(self, expected: str, given: str) -> bool:
+        return check_int(expected, given)
+
+
+class Modulo(TaskFamily):
+    name = "modulo"
+    description = "Remainder of a division."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        a, m = rng.randint(10, 10 ** (difficulty + 1)), rng.randint(2, 3 + 2 * difficulty)
+        return f"{a} mod {m}=?", str(a % m)
+
+    def check(self, expected: str, given: str) -> bool:
+        return check_int(expected, given)
+
+
+class BaseConversion(TaskFamily):
+    name = "base_conversion"
+    description = "Decimal to binary (levels 1-2), then to octal or hex, then back to decimal."
+
+    def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
+        value = rng.randint(1, 2 ** (2 + 2 * difficulty))
+        if difficulty <= 2:
+            return f"{value} in binary?", format(value, "b")
+        if difficulty == 3:
+            base, digits = rng.choice([(8, format(value, "o")), (16, format(value, "x"))])
+            return f"{value} in base {base}?", digits
+        base = rng.choice([2, 8, 16])
+        shown = format(value, {2: "b", 8: "o", 16: "x"}[base])
+        return f"{shown} (base {base}) in decimal?", str(value)
+
+    def check(self, expected: str, given: str) -> bool:
+        strip = given.strip().lower().removeprefix("0b").removeprefix("0o").removeprefix("0x")
+        return strip.lstrip("0") == expected.lower().lstrip("0") and bool(strip)
+
+
+FAMILIES = (Arithmetic(), LinearEquation(), Sorting(), ListMax(), Gcd(), Modulo(), BaseConversion())
