@@ -1,0 +1,219 @@
+"""Groups to export, read in a streaming way from the shard store or from an Atropos-compatible batching API.
+
+Both sources yield `ExportGroup`s: scores and per-sequence lengths up front
+(all that selection needs), messages and tokens only when a kept row asks for
+them, so groups whose sequences are all dropped cost no JSON parsing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from environments.groups import MASK_IGNORE, content_group_id
+from factory.export.config import SourceConfig
+from factory.store import ShardStore
+
+logger = logging.getLogger(__name__)
+
+_STORE_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages", "tokens", "masks"]
+
+
+class SourceError(RuntimeError):
+    """The groups cannot be read; the message names the source and the fix."""
+
+
+@dataclass
+class ExportGroup:
+    """One group as the exporter sees it."""
+
+    group_id: str
+    env: str
+    run_id: str
+    item_key: str
+    scores: list[float]
+    seq_lens: list[int]
+    completion_lens: list[int]
+    _messages: Any = None
+    _messages_json: str | None = None
+    _tokens: list[list[int]] | None = None
+    _masks: list[list[int]] | None = None
+    _arrow_row: tuple[pa.Array, pa.Array, int] | None = None
+
+    @property
+    def messages(self) -> list[list[dict[str, Any]]] | None:
+        if self._messages is None and self._messages_json is not None:
+            self._messages = json.loads(self._messages_json)
+            self._messages_json = None
+        return self._messages
+
+    def tokens(self, index: int) -> list[int]:
+        if self._tokens is not None:
+            return self._tokens[index]
+        if self._arrow_row is None:
+            raise SourceError(f"group {self.group_id} was read without its tokens")
+        column, _, row = self._arrow_row
+        return column[row].values[index].as_py()
+
+    def masks(self, index: int) -> list[int]:
+        if self._masks is not None:
+            return self._masks[index]
+        if self._arrow_row is None:
+            raise SourceError(f"group {self.group_id} was read without its masks")
+        _, column, row = self._arrow_row
+        return column[row].values[index].as_py()
+
+
+def _lengths(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(sequences per group offsets, tokens per sequence) of a list<list<int>> column, without Python objects."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    per_group = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    per_seq = pc.list_value_length(pc.list_flatten(column)).to_numpy(zero_copy_only=False)
+    offsets = np.concatenate([[0], np.cumsum(per_group)])
+    return offsets, per_seq
+
+
+def _completion_lengths(masks: pa.Array, per_seq: np.ndarray) -> np.ndarray:
+    values = pc.list_flatten(pc.list_flatten(masks)).to_numpy(zero_copy_only=False)
+    trained = np.concatenate([[0], np.cumsum(values != MASK_IGNORE)])
+    ends = np.cumsum(per_seq)
+    return trained[ends] - trained[ends - per_seq]
+
+
+def groups_from_batch(batch: pa.RecordBatch) -> Iterator[ExportGroup]:
+    """ExportGroups of one stored record batch (GROUP_SCHEMA columns, projected)."""
+    offsets, per_seq = _lengths(batch.column("tokens"))
+    completion = _completion_lengths(batch.column("masks"), per_seq)
+    per_seq_list, completion_list = per_seq.tolist(), completion.tolist()
+    columns = {name: batch.column(name) for name in ("group_id", "run_id", "env", "item_key")}
+    ids, runs, envs, keys = (columns[name].to_pylist() for name in ("group_id", "run_id", "env", "item_key"))
+    scores = batch.column("scores").to_pylist()
+    messages = batch.column("messages").to_pylist()
+    tokens, masks = batch.column("tokens"), batch.column("masks")
+    for row in range(batch.num_rows):
+        start, end = int(offsets[row]), int(offsets[row + 1])
+        yield ExportGroup(
+            group_id=ids[row],
+            env=envs[row],
+            run_id=runs[row],
+            item_key=keys[row],
+            scores=scores[row],
+            seq_lens=per_seq_list[start:end],
+            completion_lens=completion_list[start:end],
+            _messages_json=messages[row],
+            _arrow_row=(tokens, masks, row),
+        )
+
+
+def iter_store_groups(config: SourceConfig) -> Iterator[ExportGroup]:
+    """Stream the chosen runs' groups in commit order, one Arrow batch at a time."""
+    store = ShardStore(config.store)
+    runs = config.runs or store.runs()
+    if not runs:
+        raise SourceError(f"store {store.root} holds no runs: check source.store, or write a run first")
+    known = set(store.runs())
+    missing = [run for run in runs if run not in known]
+    if missing:
+        raise SourceError(f"run(s) {missing} not found in store {store.root}; runs there: {sorted(known) or 'none'}")
+    envs = pa.array(config.envs, pa.string()) if config.envs else None
+    for run in runs:
+        for batch in store.iter_batches(run, columns=_STORE_COLUMNS, batch_size=config.batch_groups):
+            if envs is not None:
+                batch = batch.filter(pc.is_in(batch.column("env").cast(pa.string()), value_set=envs))
+                if batch.num_rows == 0:
+                    continue
+            yield from groups_from_batch(batch)
+        for problem in store.problems:
+            logger.error("run %s: shard %s left out of the export: %s", run, problem.path, problem.reason)
+
+
+def group_from_wire(data: dict[str, Any]) -> ExportGroup:
+    """An ExportGroup from Atropos's ScoredData JSON (as GET /batch returns it)."""
+    for name in ("tokens", "masks", "scores"):
+        if not isinstance(data.get(name), list):
+            raise SourceError(f"a group from the API has no list field {name!r}; is this an Atropos-compatible /batch?")
+    tokens, masks = data["tokens"], data["masks"]
+    env_id = data.get("env_id")
+    return ExportGroup(
+        group_id=data.get("group_id") or content_group_id(tokens, data["scores"], env_id),
+        env=data.get("env") or (f"env-{env_id}" if env_id is not None else ""),
+        run_id=data.get("run_id") or "",
+        item_key=data.get("item_key") or "",
+        scores=[float(s) for s in data["scores"]],
+        seq_lens=[len(t) for t in tokens],
+        completion_lens=[sum(1 for m in mask if m != MASK_IGNORE) for mask in masks],
+        _messages=data.get("messages"),
+        _tokens=tokens,
+        _masks=masks,
+    )
+
+
+def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) -> Iterator[ExportGroup]:
+    """Register as a trainer with the batching API, then yield groups from GET /batch until it stays empty.
+
+    Stops after `api_idle_timeout_s` without a batch (Atropos's CLIs poll
+    forever; the caller also stops early once its row limit is reached).
+    """
+    url = (config.api_url or "").rstrip("/")
+    own_client = client is None
+    client = client or httpx.Client(timeout=60.0)
+    try:
+        if config.api_reset_first:
+            _call(client, "GET", f"{url}/reset_data")
+        registration = {
+            "wandb_group": "export",
+            "wandb_project": "export",
+            "batch_size": config.api_group_size * config.api_tasks_per_step,
+            "max_token_len": config.api_max_token_len,
+            "checkpoint_dir": "checkpoints",
+            "save_checkpoint_interval": 0,
+            "starting_step": 0,
+            "num_steps": 1_000_000,
+        }
+        _call(client, "POST", f"{url}/register", json=registration)
+        envs = set(config.envs)
+        idle_since = time.monotonic()
+        while True:
+            payload = _call(client, "GET", f"{url}/batch")
+            batch = payload.get("batch") if isinstance(payload, dict) else None
+            if not batch:
+                if time.monotonic() - idle_since > config.api_idle_timeout_s:
+                    logger.info("no batch from %s for %.0f s; export done", url, config.api_idle_timeout_s)
+                    return
+                time.sleep(config.api_poll_s)
+                continue
+            idle_since = time.monotonic()
+            for data in batch:
+                group = group_from_wire(data)
+                if not envs or group.env in envs:
+                    yield group
+    finally:
+        if own_client:
+            client.close()
+
+
+def _call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> Any:
+    try:
+        response = client.request(method, url, **kwargs)
+    except httpx.HTTPError as error:
+        raise SourceError(f"cannot reach the batching API at {url}: {error}; is run-api up at source.api_url?") from error
+    if response.status_code >= 400:
+        raise SourceError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def iter_groups(config: SourceConfig) -> Iterator[ExportGroup]:
+    return iter_api_groups(config) if config.api_url else iter_store_groups(config)
