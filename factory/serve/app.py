@@ -1,0 +1,229 @@
+"""Atropos's batching API (same paths, bodies, responses and status codes) over `BatchService`.
+
+Hot paths (/scored_data, /scored_data_list, /batch) read and write raw bytes:
+bodies are parsed with orjson and validated as `ScoredGroup`, responses are
+built by `payload.py` without FastAPI's generic encoder. Bad input gets a 4xx
+naming the field; FastAPI's own models give its usual 422 detail list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from environments.groups import ScoredGroup
+from factory.serve.config import ServeConfig
+from factory.serve.http import RequestGuard, accepts_gzip, json_response
+from factory.serve.payload import PayloadError
+from factory.serve.service import BatchService
+
+logger = logging.getLogger(__name__)
+
+_GROUP_FIELDS = frozenset(ScoredGroup.model_fields)
+
+
+class Registration(BaseModel):
+    """A trainer's POST /register body (Atropos's fields)."""
+
+    wandb_group: str
+    wandb_project: str
+    batch_size: int
+    max_token_len: int
+    checkpoint_dir: str
+    save_checkpoint_interval: int
+    starting_step: int
+    num_steps: int
+
+
+class RegisterEnv(BaseModel):
+    """An environment's POST /register-env body (Atropos's fields)."""
+
+    max_token_length: int
+    desired_name: str
+    weight: float
+    group_size: int
+    min_batch_allocation: float | None = None
+
+
+class EnvIdentifier(BaseModel):
+    env_id: int
+
+
+def _detail(error: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any]]:
+    return [
+        {"type": e["type"], "loc": ["body", *prefix, *e["loc"]], "msg": e["msg"].removeprefix("Value error, ")}
+        for e in error.errors(include_input=False, include_url=False)
+    ]
+
+
+def _unprocessable(detail: list[dict[str, Any]]) -> Response:
+    return Response(orjson.dumps({"detail": detail}), status_code=422, media_type="application/json")
+
+
+def parse_groups(body: bytes, *, many: bool) -> list[ScoredGroup] | Response:
+    """Posted ScoredData object(s) as validated groups, or the 4xx response naming what is wrong."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        return _unprocessable([{"type": "json_invalid", "loc": ["body"], "msg": f"body is not valid JSON: {error}"}])
+    items = data if many else [data]
+    if many and not isinstance(data, list):
+        return _unprocessable([{"type": "list_type", "loc": ["body"], "msg": "body must be a JSON list of ScoredData objects"}])
+    groups, problems = [], []
+    for index, item in enumerate(items):
+        prefix = (index,) if many else ()
+        if not isinstance(item, dict):
+            problems.append({"type": "dict_type", "loc": ["body", *prefix], "msg": "a ScoredData object is required"})
+            continue
+        # Atropos's ScoredData ignores unknown keys; so do we.
+        fields = {key: value for key, value in item.items() if key in _GROUP_FIELDS}
+        try:
+            groups.append(ScoredGroup.model_validate(fields))
+        except ValidationError as error:
+            problems.extend(_detail(error, prefix))
+    return _unprocessable(problems) if problems else groups
+
+
+def create_app(config: ServeConfig, service: BatchService | None = None) -> FastAPI:
+    """The FastAPI app; the service (made from `config` if not given) starts and stops with it."""
+    service = service or BatchService(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="rollout-factory batching API (Atropos-compatible)", lifespan=lifespan)
+    app.state.service = service
+    app.add_middleware(RequestGuard, token=config.api_token, max_body_bytes=int(config.max_body_mb * (1 << 20)))
+
+    def respond(request: Request, data: Any = None, **kwargs: Any) -> Response:
+        return json_response(request, data, gzip_level=config.gzip_level, gzip_min_bytes=config.gzip_min_bytes, **kwargs)
+
+    @app.get("/")
+    async def root() -> dict[str, str]:
+        return {"message": "AtroposLib API"}
+
+    @app.post("/register")
+    async def register(registration: Registration) -> dict[str, Any]:
+        if registration.batch_size <= 0:
+            return _unprocessable([{"type": "greater_than", "loc": ["body", "batch_size"], "msg": "batch_size must be > 0"}])
+        if registration.starting_step < 0:
+            return _unprocessable([{"type": "greater_than_equal", "loc": ["body", "starting_step"], "msg": "starting_step must be >= 0"}])
+        return await service.register(registration.model_dump())
+
+    @app.post("/register-env")
+    async def register_env(request: RegisterEnv) -> dict[str, Any]:
+        if request.group_size <= 0:
+            return _unprocessable([{"type": "greater_than", "loc": ["body", "group_size"], "msg": "group_size must be > 0"}])
+        if request.min_batch_allocation is not None and not 0.0 <= request.min_batch_allocation <= 1.0:
+            return _unprocessable(
+                [{"type": "value_error", "loc": ["body", "min_batch_allocation"], "msg": "min_batch_allocation must be between 0 and 1"}]
+            )
+        return service.register_env(request.model_dump())
+
+    @app.post("/disconnect-env")
+    async def disconnect_env(env: EnvIdentifier) -> dict[str, Any]:
+        return service.disconnect_env(env.env_id)
+
+    @app.get("/wandb_info")
+    async def wandb_info() -> dict[str, Any]:
+        return service.wandb_info()
+
+    @app.get("/info")
+    async def info() -> dict[str, Any]:
+        return service.info()
+
+    @app.get("/status")
+    async def status(request: Request) -> Response:
+        return respond(request, service.status())
+
+    @app.get("/status-env")
+    async def status_env(request: Request) -> Response:
+        # Atropos's env client sends GET with a JSON body {"env_id": N}; ?env_id=N works too.
+        body = await request.body()
+        raw: Any = request.query_params.get("env_id")
+        if body:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError as error:
+                return _unprocessable([{"type": "json_invalid", "loc": ["body"], "msg": f"body is not valid JSON: {error}"}])
+            raw = data.get("env_id") if isinstance(data, dict) else None
+        try:
+            env_id = EnvIdentifier.model_validate({"env_id": raw}).env_id
+        except ValidationError as error:
+            return _unprocessable(_detail(error, ()))
+        result = service.status_env(env_id)
+        if result is None:
+            return Response(
+                orjson.dumps({"detail": f"env_id {env_id} is not registered: call /register-env first"}),
+                status_code=404,
+                media_type="application/json",
+            )
+        return respond(request, result)
+
+    @app.get("/batch")
+    async def batch(request: Request) -> Response:
+        try:
+            body = await service.next_batch(accepts_gzip(request))
+        except PayloadError as error:
+            logger.error("cannot serve a batch: %s", error)
+            return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json")
+        return respond(request, raw=body.raw, gz=body.gz)
+
+    @app.get("/latest_example")
+    async def latest_example(request: Request) -> Response:
+        example = await service.latest_example()
+        return respond(request, raw=example) if isinstance(example, bytes) else respond(request, example)
+
+    async def ingest(request: Request, many: bool) -> Response | list[ScoredGroup]:
+        parsed = await asyncio.to_thread(parse_groups, await request.body(), many=many)
+        if isinstance(parsed, Response):
+            return parsed
+        batch_size = service.info()["batch_size"]
+        for index, group in enumerate(parsed):
+            if batch_size > 0 and group.group_size > batch_size:
+                loc = ["body", index, "tokens"] if many else ["body", "tokens"]
+                return _unprocessable(
+                    [{"type": "too_long", "loc": loc, "msg": f"group has {group.group_size} sequences but batch_size is {batch_size}"}]
+                )
+        try:
+            await service.ingest(parsed)
+        except ValueError as error:
+            return _unprocessable([{"type": "value_error", "loc": ["body"], "msg": str(error)}])
+        except (OSError, RuntimeError) as error:
+            logger.error("posted groups could not be committed: %s", error)
+            return Response(
+                orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503, media_type="application/json"
+            )
+        return parsed
+
+    @app.post("/scored_data")
+    async def scored_data(request: Request) -> Response:
+        result = await ingest(request, many=False)
+        return result if isinstance(result, Response) else respond(request, {"status": "received"})
+
+    @app.post("/scored_data_list")
+    async def scored_data_list(request: Request) -> Response:
+        result = await ingest(request, many=True)
+        if isinstance(result, Response):
+            return result
+        return respond(request, {"status": "received", "groups_processed": len(result)})
+
+    @app.get("/reset_data")
+    async def reset_data() -> PlainTextResponse:
+        await service.reset()
+        return PlainTextResponse("Reset successful", status_code=200)
+
+    return app

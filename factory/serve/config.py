@@ -1,0 +1,60 @@
+"""Config of the batching API (`run-api`, flows/serve.py): one pydantic model, YAML + dotted CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from factory.config import FactoryConfig
+
+
+class ServeConfig(FactoryConfig):
+    """Where the service listens, what it serves from, and how it packs batches."""
+
+    host: str = Field("0.0.0.0", description="Interface to bind (Atropos's run-api binds 0.0.0.0).")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (Atropos's default is 8000).")
+    store_root: str = Field("./data", description="Shard store root: followed runs are read and posted groups are committed here.")
+    ingest_run: str = Field("api", description="Run that groups POSTed to /scored_data(_list) are committed to.")
+    ingest_producer: str = Field("api", description="Producer name of ingest shards; one per service sharing a store.")
+    follow_runs: list[str] = Field(default_factory=list, description="Store runs whose shards are served as they are committed; '*' follows every run.")
+    follow_interval_s: float = Field(0.5, gt=0, description="Seconds between scans of followed runs' commit logs.")
+    state_path: str | None = Field(None, description="SQLite file of served state; default <store_root>/<ingest_run>/serve-state.sqlite.")
+    api_token: str | None = Field(None, description="If set, every request needs 'Authorization: Bearer <token>'.")
+    max_body_mb: float = Field(256.0, gt=0, description="Largest request body accepted (compressed and decompressed), else 413.")
+    gzip_level: int = Field(1, ge=0, le=9, description="gzip level of responses to clients that accept gzip; 0 disables.")
+    gzip_min_bytes: int = Field(1000, ge=0, description="Responses smaller than this are sent uncompressed.")
+    max_policy_lag: int | None = Field(
+        None, ge=0, description="Skip (and count) groups more than this many policy versions behind the trainer's step; None keeps all."
+    )
+    env_weights: dict[str, float] = Field(default_factory=dict, description="Batch share weight per env name for groups from followed runs (default 1).")
+    env_min_batch_allocation: dict[str, float] = Field(
+        default_factory=dict, description="Minimum fraction of each batch per env name for groups from followed runs."
+    )
+    commit_max_groups: int = Field(1024, ge=1, description="Most posted groups committed together in one shard (group commit).")
+    ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
+    payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")
+    prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
+    batch_metadata: bool = Field(False, description="Add group_id, env and policy_version to each group in /batch responses.")
+    log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+
+    @field_validator("env_min_batch_allocation")
+    @classmethod
+    def _fractions(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, fraction in value.items():
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(f"env_min_batch_allocation[{name!r}] is {fraction}; use a fraction between 0 and 1")
+        return value
+
+    @field_validator("env_weights")
+    @classmethod
+    def _weights(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, weight in value.items():
+            if weight < 0:
+                raise ValueError(f"env_weights[{name!r}] is {weight}; weights must be >= 0")
+        return value
+
+    def resolved_state_path(self) -> Path:
+        if self.state_path:
+            return Path(self.state_path)
+        return Path(self.store_root) / self.ingest_run / "serve-state.sqlite"

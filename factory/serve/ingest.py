@@ -1,0 +1,115 @@
+"""Group commit of POSTed groups: every request waits until its groups are in a committed shard.
+
+Requests put their validated groups on a pending list and wait; one writer
+takes everything pending, commits it as a single shard (producer, next chunk)
+in a worker thread, and then wakes all those requests at once. While a commit
+is being written, new requests pile up for the next one, so ingest speed
+grows with concurrency instead of paying one fsync per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from environments.groups import ScoredGroup
+from factory.store import CommitRecord, ShardStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    groups: list[ScoredGroup]
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class GroupCommitter:
+    """Commits pending groups as shards of (run, producer, chunk), one writer at a time."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        run_id: str,
+        producer: str,
+        on_commit: Callable[[CommitRecord, list[ScoredGroup]], Awaitable[None] | None],
+        *,
+        max_groups: int = 1024,
+        row_group_groups: int = 16,
+    ) -> None:
+        self.store, self.run_id, self.producer = store, run_id, producer
+        self.on_commit = on_commit
+        self.max_groups = max_groups
+        self.row_group_groups = row_group_groups
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.next_chunk = 1 + max(
+            (record.chunk for record in store.committed(run_id).values() if record.producer == producer), default=-1
+        )
+        self.commits = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="group-committer")
+
+    async def stop(self) -> None:
+        """Commit what is pending, then stop."""
+        if self._task is None:
+            return
+        while self._pending:
+            await asyncio.sleep(0.01)
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
+
+    async def submit(self, groups: list[ScoredGroup]) -> None:
+        """Return once `groups` are committed to a shard (raises if the commit failed)."""
+        if self._task is None or self._task.done():
+            raise RuntimeError("the group committer is not running; start the service before posting groups")
+        pending = _Pending(groups)
+        self._pending.append(pending)
+        self._wake.set()
+        await pending.done
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                take, count = [], 0
+                while self._pending and (not take or count + len(self._pending[0].groups) <= self.max_groups):
+                    item = self._pending.pop(0)
+                    take.append(item)
+                    count += len(item.groups)
+                groups = [group for item in take for group in item.groups]
+                try:
+                    record = await self._commit(groups)
+                    result = self.on_commit(record, groups)
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
+                    logger.exception("commit of %d posted groups failed", len(groups))
+                    for item in take:
+                        if not item.done.done():
+                            item.done.set_exception(error)
+                    continue
+                for item in take:
+                    if not item.done.done():
+                        item.done.set_result(None)
+
+    async def _commit(self, groups: list[ScoredGroup]) -> CommitRecord:
+        while True:
+            chunk = self.next_chunk
+            self.next_chunk += 1
+            record = await asyncio.to_thread(
+                self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
+            )
+            if not record.skipped:
+                self.commits += 1
+                return record
+            logger.warning("chunk %d of %s/%s was already committed (another writer?); using the next", chunk, self.run_id, self.producer)

@@ -1,0 +1,148 @@
+"""Read queued groups' payloads from their shards and write Atropos's `/batch` JSON straight from Arrow.
+
+FastAPI's generic encoder walks every token as a Python object; here each
+sequence is a zero-copy numpy view of the Arrow column, serialised by orjson,
+and JSON-text fields (messages, overrides, ...) are spliced in as stored.
+Row groups just read are kept in a small byte-bounded cache, because batches
+take consecutive rows in arrival order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from environments.groups import GROUP_WIRE_FIELDS
+from factory.schema import JSON_FIELDS
+
+logger = logging.getLogger(__name__)
+
+META_FIELDS = ("group_id", "env", "policy_version")
+READ_COLUMNS = [*GROUP_WIRE_FIELDS, *META_FIELDS]
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+_KEYS = {name: orjson.dumps(name) + b":" for name in (*GROUP_WIRE_FIELDS, *META_FIELDS)}
+
+
+class PayloadError(RuntimeError):
+    """A queued group's shard could not be read; the message names the shard."""
+
+
+def _nested_views(column: pa.ChunkedArray, depth: int) -> list[list | None]:
+    """Per row, the nested lists of a list<list<...>> column as lists of numpy views (None for null rows)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    nulls = array.is_null().to_numpy(zero_copy_only=False)
+    offsets = [array.offsets.to_numpy()]
+    level = array.values
+    for _ in range(depth - 1):
+        offsets.append(level.offsets.to_numpy())
+        level = level.values
+    leaf = level.to_numpy(zero_copy_only=False)
+
+    def build(d: int, start: int, stop: int) -> list:
+        off = offsets[d]
+        if d == depth - 1:
+            return [leaf[off[i] : off[i + 1]] for i in range(start, stop)]
+        return [build(d + 1, off[i], off[i + 1]) for i in range(start, stop)]
+
+    outer = offsets[0]
+    return [None if nulls[i] else build(1, outer[i], outer[i + 1]) if depth > 1 else leaf[outer[i] : outer[i + 1]]
+            for i in range(len(array))]
+
+
+def encode_groups(table: pa.Table, *, metadata: bool = False) -> list[bytes]:
+    """Each row of `table` (READ_COLUMNS) as the JSON bytes of an Atropos ScoredData object."""
+    columns: dict[str, list] = {}
+    for name in ("tokens", "masks", "advantages", "ref_logprobs", "inference_logprobs"):
+        columns[name] = _nested_views(table.column(name), 2)
+    columns["scores"] = _nested_views(table.column("scores"), 1)
+    for name in ("distill_token_ids", "distill_logprobs"):
+        columns[name] = _nested_views(table.column(name), 3)
+    for name in (*JSON_FIELDS, "env_id", *META_FIELDS):
+        columns[name] = table.column(name).to_pylist()
+    fields = [*GROUP_WIRE_FIELDS, *(META_FIELDS if metadata else ())]
+    items = []
+    for i in range(table.num_rows):
+        parts = []
+        for name in fields:
+            value = columns[name][i]
+            if name in JSON_FIELDS:
+                encoded = value.encode() if value is not None else b"null"
+            else:
+                encoded = orjson.dumps(value, option=_NUMPY)
+            parts.append(_KEYS[name] + encoded)
+        items.append(b"{" + b",".join(parts) + b"}")
+    return items
+
+
+def batch_json(items: Sequence[bytes]) -> bytes:
+    return b'{"batch":[' + b",".join(items) + b"]}"
+
+
+class PayloadReader:
+    """Reads rows of shards with a byte-bounded cache of recently read row groups."""
+
+    def __init__(self, cache_bytes: int = 256 << 20) -> None:
+        self.cache_bytes = cache_bytes
+        self._starts: OrderedDict[Path, list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[Path, int], pa.Table] = OrderedDict()
+        self._cached = 0
+
+    def _row_group_starts(self, path: Path) -> list[int]:
+        starts = self._starts.get(path)
+        if starts is None:
+            meta = pq.ParquetFile(path).metadata
+            starts, total = [], 0
+            for i in range(meta.num_row_groups):
+                starts.append(total)
+                total += meta.row_group(i).num_rows
+            self._starts[path] = starts
+            if len(self._starts) > 4096:
+                self._starts.popitem(last=False)
+        return starts
+
+    def _row_group(self, path: Path, index: int) -> pa.Table:
+        key = (path, index)
+        table = self._cache.get(key)
+        if table is not None:
+            self._cache.move_to_end(key)
+            return table
+        table = pq.ParquetFile(path, page_checksum_verification=True).read_row_group(index, columns=READ_COLUMNS)
+        self._cache[key] = table
+        self._cached += table.nbytes
+        while self._cached > self.cache_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= old.nbytes
+        return table
+
+    def read(self, keys: Sequence[tuple[Path, int]]) -> pa.Table:
+        """The rows `keys` ((shard path, row)) as one table, in the order given."""
+        pieces: list[pa.Table] = []
+        order: list[int] = [0] * len(keys)
+        wanted: dict[tuple[Path, int], list[tuple[int, int]]] = {}
+        for position, (path, row) in enumerate(keys):
+            try:
+                starts = self._row_group_starts(path)
+            except (OSError, pa.ArrowException) as error:
+                raise PayloadError(f"shard {path} cannot be read: {error}") from error
+            index = bisect.bisect_right(starts, row) - 1
+            wanted.setdefault((path, index), []).append((position, row - starts[index]))
+        offset = 0
+        for (path, index), rows in wanted.items():
+            try:
+                table = self._row_group(path, index)
+            except (OSError, pa.ArrowException) as error:
+                raise PayloadError(f"shard {path} row group {index} cannot be read: {error}") from error
+            pieces.append(table.take(pa.array([local for _, local in rows], type=pa.int64())))
+            for k, (position, _) in enumerate(rows):
+                order[position] = offset + k
+            offset += len(rows)
+        combined = pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+        return combined.take(pa.array(order, type=pa.int64()))

@@ -1,0 +1,431 @@
+"""The batching service: Atropos's trainer/env protocol over a durable queue of shard rows.
+
+One object owns the state every endpoint touches; it runs on the event loop
+(heavy work: shard reads, JSON encoding, gzip and commits go to threads).
+What Atropos keeps in one process's memory is split three ways here: group
+payloads stay in Parquet shards, the queue is a compact in-memory index of
+(shard, row), and registration, step and every taken group are persisted in
+`ServedState`, so a restarted service rebuilds its queue from the shards and
+serves nothing twice.
+
+Where this differs from Atropos 0.4.0 (on purpose):
+- /batch forms one batch per call and serves batches oldest first; Atropos
+  forms every possible batch at once, counts them all as steps and then pops
+  the newest first.
+- Mixed-size groups are queued as they are (the packer packs mixed sizes
+  exactly) instead of being buffered per env until they add up to group_size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from environments.groups import ScoredGroup
+from factory.serve.config import ServeConfig
+from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
+from factory.serve.ingest import GroupCommitter
+from factory.serve.packer import Entry, LanePolicy, pack_batch
+from factory.serve.payload import PayloadReader, batch_json, encode_groups
+from factory.serve.queue import GroupQueue
+from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
+from factory.store import CommitRecord, ShardStore
+
+logger = logging.getLogger(__name__)
+
+MIN_ENV_WEIGHT = 0.01
+"""Floor of the env_weight /status-env returns (Atropos's value), so no env starves."""
+NOT_REGISTERED = b'{"status":"error","message":"Trainer not registered. Call /register first.","batch":[]}'
+NO_BATCH = b'{"batch":null}'
+EMPTY_EXAMPLE = {
+    name: []
+    for name in ("tokens", "masks", "scores", "advantages", "ref_logprobs", "generation_params", "inference_logprobs", "messages", "images")
+}
+
+
+class BatchBody:
+    """A /batch response body, raw and (if made) gzipped."""
+
+    def __init__(self, raw: bytes, gz: bytes | None = None) -> None:
+        self.raw, self.gz = raw, gz
+
+
+class BatchService:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.store = ShardStore(config.store_root)
+        self.state = ServedState(config.resolved_state_path())
+        self.queue = GroupQueue()
+        self.reader = PayloadReader(int(config.payload_cache_mb * (1 << 20)))
+        self.sources: dict[int, Path] = {}
+        self._known: set[tuple[str, str]] = set()
+        self._reported: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._replay: deque[tuple[int, list[tuple[int, int]]]] = deque()
+        self._prefetched: tuple[list[Entry], BatchBody] | None = None
+        self._prefetch_task: asyncio.Task[None] | None = None
+        self._follow_task: asyncio.Task[None] | None = None
+        self.committer: GroupCommitter | None = None
+        self.requesters: list[int] = []
+        self._load()
+
+    # ---- lifecycle ----
+    def _load(self) -> None:
+        self.registration: dict[str, Any] | None = self.state.get("registration")
+        self.step: int = self.state.get("step", 0)
+        self.started: bool = self.state.get("started", False)
+        self.envs: list[dict[str, Any]] = self.state.envs()
+        self.skipped_stale = self.state.count_taken(SKIPPED_STALE)
+        self.skipped_oversize = self.state.count_taken(SKIPPED_OVERSIZE)
+        replay_until = self.state.get("replay_until", 0)
+        if replay_until > self.step:
+            self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
+        taken = self.state.taken_rows()
+        for source, run_id, shard, rows in self.state.sources():
+            path = self.store.shards_dir(run_id) / shard
+            self.sources[source] = path
+            self._known.add((run_id, shard))
+            done = taken.get(source, set())
+            if len(done) >= rows:
+                continue
+            try:
+                index = read_index(path)
+            except OSError as error:
+                logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path, rows - len(done), error)
+                continue
+            self._enqueue(source, index, skip=done)
+        logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
+
+    async def start(self) -> None:
+        self._add_shards(await asyncio.to_thread(self._scan))
+        self.committer = GroupCommitter(
+            self.store,
+            self.config.ingest_run,
+            self.config.ingest_producer,
+            self._on_commit,
+            max_groups=self.config.commit_max_groups,
+            row_group_groups=self.config.ingest_row_group_groups,
+        )
+        self.committer.start()
+        self._follow_task = asyncio.create_task(self._follow(), name="store-follower")
+
+    async def stop(self) -> None:
+        if self.committer is not None:
+            await self.committer.stop()
+        for task in (self._follow_task, self._prefetch_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                    pass
+        self.state.close()
+
+    # ---- sources of groups ----
+    def _scan(self) -> list[NewShard]:
+        runs = runs_to_follow(self.store, self.config.follow_runs, self.config.ingest_run)
+        return scan_new_shards(self.store, runs, set(self._known), self._reported)
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.follow_interval_s)
+            try:
+                self._add_shards(await asyncio.to_thread(self._scan))
+            except Exception:  # noqa: BLE001 - a bad scan must not stop following; it is retried next interval
+                logger.exception("scan of followed runs failed; retrying in %.1f s", self.config.follow_interval_s)
+
+    def _add_shards(self, shards: list[NewShard]) -> None:
+        for shard in shards:
+            if (shard.run_id, shard.shard) in self._known:
+                continue
+            source = self.state.add_source(shard.run_id, shard.shard, shard.rows)
+            self.sources[source] = shard.path
+            self._known.add((shard.run_id, shard.shard))
+            self._enqueue(source, shard.index)
+        if shards:
+            self._kick_prefetch()
+
+    def _enqueue(self, source: int, index: Any, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        columns = index.to_pydict()
+        for row, (env, env_id, version, size) in enumerate(
+            zip(columns["env"], columns["env_id"], columns["policy_version"], columns["group_size"])
+        ):
+            if row in skip:
+                continue
+            lane = self.queue.lane(("id", env_id) if env_id is not None else ("name", env))
+            self.queue.add(source, row, size, lane, version)
+
+    def _on_commit(self, record: CommitRecord, groups: list[ScoredGroup]) -> None:
+        if (record.run_id, record.shard) in self._known:
+            return
+        source = self.state.add_source(record.run_id, record.shard, record.rows)
+        self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
+        self._known.add((record.run_id, record.shard))
+        for row, group in enumerate(groups):
+            key = ("id", group.env_id) if group.env_id is not None else ("name", group.env)
+            self.queue.add(source, row, group.group_size, self.queue.lane(key), group.policy_version)
+        self._kick_prefetch()
+
+    async def ingest(self, groups: list[ScoredGroup]) -> None:
+        """Stamp posted groups with factory metadata and return once they are committed to a shard."""
+        for group in groups:
+            env = self.envs[group.env_id] if group.env_id is not None and 0 <= group.env_id < len(self.envs) else None
+            if not group.env:
+                group.env = env["desired_name"] if env else "external"
+            group.run_id = self.config.ingest_run
+            if "policy_version" not in group.model_fields_set:
+                group.policy_version = self.step
+        if self.committer is None:
+            raise RuntimeError("the service is not started")
+        await self.committer.submit(groups)
+
+    # ---- trainer and env registration ----
+    async def register(self, registration: dict[str, Any]) -> dict[str, Any]:
+        async with self._lock:
+            self._release_prefetch()
+            start = registration["starting_step"]
+            if self.registration is not None and start < self.step:
+                until = max(self.step, self.state.get("replay_until", 0))
+                self._replay = deque(b for b in self.state.batches_from(start) if b[0] < until)
+                self.state.put(replay_until=until)
+                logger.info("trainer resumes at step %d: replaying %d served batches", start, len(self._replay))
+                self.step = start
+            elif self.registration is None or start > self.step:
+                self.step = start
+                self._replay.clear()
+            self.registration = registration
+            self.state.put(registration=registration, step=self.step)
+        self.requesters.append(uuid.uuid4().int)
+        return {"uuid": self.requesters[-1]}
+
+    def register_env(self, request: dict[str, Any]) -> dict[str, Any]:
+        if not self.started:
+            return {"status": "wait for trainer to start"}
+        name = request["desired_name"]
+        real_name = f"{name}_{sum(1 for env in self.envs if env['desired_name'] == name)}"
+        env = {
+            "max_context_len": request["max_token_length"],
+            "weight": request["weight"] if request.get("weight") is not None else 1.0,
+            "desired_name": name,
+            "real_name": real_name,
+            "registered_id": len(self.envs),
+            "last_update": time.time(),
+            "connected": True,
+            "min_batch_allocation": request.get("min_batch_allocation"),
+            "group_size": request["group_size"],
+        }
+        self.envs.append(env)
+        self.state.put_env(env)
+        registration = self.registration or {}
+        return {
+            "status": "success",
+            "env_id": env["registered_id"],
+            "wandb_name": real_name,
+            "checkpoint_dir": registration.get("checkpoint_dir", ""),
+            "starting_step": self.step,
+            "checkpoint_interval": registration.get("save_checkpoint_interval", -1),
+            "num_steps": registration.get("num_steps", -1),
+        }
+
+    def disconnect_env(self, env_id: int) -> dict[str, Any]:
+        if not 0 <= env_id < len(self.envs):
+            return {"status": "failure", "error": f"env_id {env_id} is not registered ({len(self.envs)} envs are)"}
+        self.envs[env_id]["connected"] = False
+        self.state.put_env(self.envs[env_id])
+        return {"status": "success"}
+
+    # ---- status ----
+    def info(self) -> dict[str, Any]:
+        if self.registration is None:
+            return {"batch_size": -1, "max_token_len": -1}
+        return {"batch_size": self.registration["batch_size"], "max_token_len": self.registration["max_token_len"]}
+
+    def wandb_info(self) -> dict[str, Any]:
+        if self.registration is None:
+            return {"group": None, "project": None}
+        return {"group": self.registration["wandb_group"], "project": self.registration["wandb_project"]}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "current_step": self.step,
+            "queue_size": self.queue.groups,
+            "queued_sequences": sum(self.queue.lane_sequences.values()),
+            "served_groups": self.state.served_groups(),
+            "skipped_stale": self.skipped_stale,
+            "skipped_oversize": self.skipped_oversize,
+        }
+
+    def lane_policies(self) -> dict[int, LanePolicy]:
+        policies = {}
+        for lane, key in enumerate(self.queue.lane_key_of):
+            kind, value = key
+            if kind == "id":
+                env = self.envs[value] if isinstance(value, int) and 0 <= value < len(self.envs) else None
+                policies[lane] = (
+                    LanePolicy(env["weight"], env.get("min_batch_allocation"), env.get("connected", True)) if env else LanePolicy()
+                )
+            else:
+                policies[lane] = LanePolicy(
+                    self.config.env_weights.get(value, 1.0), self.config.env_min_batch_allocation.get(value)
+                )
+        return policies
+
+    def status_env(self, env_id: int) -> dict[str, Any] | None:
+        """Atropos's /status-env numbers for one env (None if the env is not registered)."""
+        if not 0 <= env_id < len(self.envs):
+            return None
+        env = self.envs[env_id]
+        connected = [e for e in self.envs if e.get("connected")]
+        total = sum(e["max_context_len"] * max(0.0, e["weight"]) for e in connected)
+        weight = env["max_context_len"] * env["weight"] / total if total > 0 else MIN_ENV_WEIGHT
+        batch_size = self.registration["batch_size"] if self.registration else 0
+        policies = self.lane_policies()
+        min_total = sum(e["min_batch_allocation"] for e in connected if e.get("min_batch_allocation") is not None)
+        min_total += sum(self.config.env_min_batch_allocation.values())
+        own_lane = self.queue.lane(("id", env_id))
+        max_group = self.queue.max_group_size()
+        group_size = max(1, env["group_size"])
+        own = self.queue.lane_sequences[own_lane]
+        available = 0
+        for lane in self.queue.lanes():
+            if lane == own_lane:
+                continue
+            packed = math.ceil(self.queue.lane_sequences[lane] / max_group) * max_group
+            policy = policies.get(lane, LanePolicy())
+            minimum = int(batch_size * policy.min_fraction) if policy.active and policy.min_fraction else 0
+            available += max(0, packed - minimum)
+        return {
+            "current_step": self.step,
+            "queue_size": (own + available) // group_size,
+            "unallocated_fraction": 1.0 - min(min_total, 1.0),
+            "self_queue_size": own // group_size,
+            "max_group_size": max_group,
+            "env_weight": max(MIN_ENV_WEIGHT, weight),
+        }
+
+    # ---- batches ----
+    def _form(self) -> list[Entry] | None:
+        batch_size = self.registration["batch_size"]
+        lag = self.config.max_policy_lag
+        floor = self.step - lag if lag is not None else None
+        while True:
+            queues: dict[int, list[Entry]] = {}
+            stale: list[Entry] = []
+            oversize: list[Entry] = []
+            for lane in self.queue.lanes():
+                usable = []
+                for entry in self.queue.prefix(lane, 4 * batch_size):
+                    if entry.size > batch_size:
+                        oversize.append(entry)
+                    elif floor is not None and entry.version < floor:
+                        stale.append(entry)
+                    else:
+                        usable.append(entry)
+                queues[lane] = usable
+            if not stale and not oversize:
+                return pack_batch(queues, batch_size, self.lane_policies())
+            for entries, step in ((stale, SKIPPED_STALE), (oversize, SKIPPED_OVERSIZE)):
+                if entries:
+                    self.state.record_taken([(e.source, e.row) for e in entries], step)
+                    self.queue.remove(entries)
+            self.skipped_stale += len(stale)
+            self.skipped_oversize += len(oversize)
+            if stale:
+                logger.warning("skipped %d groups more than %d policy versions behind step %d", len(stale), lag, self.step)
+            if oversize:
+                logger.warning("skipped %d groups larger than batch_size %d", len(oversize), batch_size)
+
+    def _encode(self, keys: list[tuple[int, int]], compress: bool) -> BatchBody:
+        table = self.reader.read([(self.sources[source], row) for source, row in keys])
+        raw = batch_json(encode_groups(table, metadata=self.config.batch_metadata))
+        level = self.config.gzip_level
+        gz = gzip.compress(raw, compresslevel=level, mtime=0) if compress and level and len(raw) >= self.config.gzip_min_bytes else None
+        return BatchBody(raw, gz)
+
+    async def next_batch(self, accept_gzip: bool) -> BatchBody:
+        """The next batch for the trainer, recorded as served (durably) before it is returned."""
+        async with self._lock:
+            if self.registration is None:
+                return BatchBody(NOT_REGISTERED)
+            if not self.started:
+                self.started = True
+                self.state.put(started=True)
+            if self._replay:
+                step, keys = self._replay.popleft()
+                body = await asyncio.to_thread(self._encode, keys, accept_gzip)
+                self.step = step + 1
+                self.state.put(step=self.step)
+                return body
+            if self._prefetched is not None:
+                entries, body = self._prefetched
+                self._prefetched = None
+            else:
+                entries = self._form()
+                if entries is None:
+                    return BatchBody(NO_BATCH)
+                self.queue.reserve(entries)
+                try:
+                    body = await asyncio.to_thread(self._encode, [(e.source, e.row) for e in entries], accept_gzip)
+                except Exception:
+                    self.queue.release(entries)
+                    raise
+            self.state.record_taken([(e.source, e.row) for e in entries], self.step, kv={"step": self.step + 1})
+            self.queue.remove(entries)
+            self.step += 1
+            logger.debug("served step %d: %d groups, %d bytes", self.step - 1, len(entries), len(body.raw))
+        if self.config.prefetch:
+            self._prefetch_task = asyncio.create_task(self._prefetch())
+        return body
+
+    async def _prefetch(self) -> None:
+        async with self._lock:
+            if self._prefetched is not None or self._replay or self.registration is None:
+                return
+            entries = self._form()
+            if entries is None:
+                return
+            self.queue.reserve(entries)
+            try:
+                body = await asyncio.to_thread(self._encode, [(e.source, e.row) for e in entries], True)
+            except Exception:  # noqa: BLE001 - the next /batch forms it again and reports the error
+                self.queue.release(entries)
+                logger.exception("prefetching the next batch failed")
+                return
+            self._prefetched = (entries, body)
+
+    def _release_prefetch(self) -> None:
+        if self._prefetched is not None:
+            self.queue.release(self._prefetched[0])
+            self._prefetched = None
+
+    def _kick_prefetch(self) -> None:
+        """After new groups arrive, form the next batch again if no batch could be formed before."""
+        if self.config.prefetch and self._prefetched is None and self.registration is not None and self.started:
+            if self._prefetch_task is None or self._prefetch_task.done():
+                self._prefetch_task = asyncio.create_task(self._prefetch())
+
+    async def latest_example(self) -> bytes | dict[str, Any]:
+        last = self.queue.last
+        if last is None:
+            return EMPTY_EXAMPLE
+        async with self._lock:
+            table = await asyncio.to_thread(self.reader.read, [(self.sources[last.source], last.row)])
+        return encode_groups(table)[0]
+
+    async def reset(self) -> None:
+        async with self._lock:
+            self._release_prefetch()
+            dropped = self.queue.clear()
+            self.state.record_taken([(e.source, e.row) for e in dropped], DISCARDED)
+            self.state.reset()
+            self.registration, self.step, self.started = None, 0, False
+            self.envs, self.requesters = [], []
+            self._replay.clear()
+            self.skipped_stale = self.skipped_oversize = 0

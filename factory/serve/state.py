@@ -1,0 +1,139 @@
+"""Durable served-state of the batching API: a small SQLite file beside the store.
+
+It records what a restart must not forget: the trainer's registration and
+step, registered environments, which shards the service has indexed (in
+arrival order), and every group taken from the queue with the step of the
+batch it went into (or why it was skipped). The queue itself is not stored:
+on start it is rebuilt from the shards minus what was taken. WAL mode with
+`synchronous=NORMAL` makes each commit survive a killed process (`kill -9`);
+only an OS crash or power loss can lose the last few transactions.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+SKIPPED_STALE = -1
+"""`taken.step` of a group skipped because its policy version was too old."""
+DISCARDED = -2
+"""`taken.step` of a group dropped by /reset_data."""
+SKIPPED_OVERSIZE = -3
+"""`taken.step` of a group with more sequences than the batch size."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS envs (env_id INTEGER PRIMARY KEY, info TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sources (
+    source_id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, shard TEXT NOT NULL, rows INTEGER NOT NULL,
+    UNIQUE (run_id, shard));
+CREATE TABLE IF NOT EXISTS taken (
+    source INTEGER NOT NULL, row INTEGER NOT NULL, step INTEGER NOT NULL, pos INTEGER NOT NULL,
+    epoch INTEGER NOT NULL, PRIMARY KEY (source, row)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS taken_step ON taken (epoch, step, pos);
+"""
+
+
+class ServedState:
+    """Registration, envs, indexed shards and taken groups, persisted in one SQLite file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- key/value ----
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def put(self, **values: Any) -> None:
+        with self.db:
+            self.db.executemany(
+                "INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                [(key, json.dumps(value)) for key, value in values.items()],
+            )
+
+    # ---- environments ----
+    def envs(self) -> list[dict[str, Any]]:
+        return [json.loads(info) for (info,) in self.db.execute("SELECT info FROM envs ORDER BY env_id")]
+
+    def put_env(self, env: dict[str, Any]) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT INTO envs (env_id, info) VALUES (?, ?) ON CONFLICT (env_id) DO UPDATE SET info = excluded.info",
+                (env["registered_id"], json.dumps(env)),
+            )
+
+    # ---- shards ----
+    def sources(self) -> list[tuple[int, str, str, int]]:
+        """(source_id, run_id, shard, rows) in arrival order."""
+        return list(self.db.execute("SELECT source_id, run_id, shard, rows FROM sources ORDER BY source_id"))
+
+    def add_source(self, run_id: str, shard: str, rows: int) -> int:
+        with self.db:
+            cursor = self.db.execute("INSERT INTO sources (run_id, shard, rows) VALUES (?, ?, ?)", (run_id, shard, rows))
+        return int(cursor.lastrowid)
+
+    # ---- taken groups ----
+    @property
+    def epoch(self) -> int:
+        """Training epoch: /reset_data starts a new one, so step numbers of an old run never mix with a new one."""
+        return int(self.get("epoch", 0))
+
+    def record_taken(self, keys: Iterable[tuple[int, int]], step: int, *, kv: dict[str, Any] | None = None) -> None:
+        """Mark groups (source, row) as taken at `step` (>= 0 served, < 0 skipped), with kv updates, atomically."""
+        epoch = self.epoch
+        with self.db:
+            self.db.executemany(
+                "INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, ?)",
+                [(source, row, step, pos, epoch) for pos, (source, row) in enumerate(keys)],
+            )
+            if kv:
+                self.db.executemany(
+                    "INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    [(key, json.dumps(value)) for key, value in kv.items()],
+                )
+
+    def taken_rows(self) -> dict[int, set[int]]:
+        """Taken rows per source."""
+        taken: dict[int, set[int]] = {}
+        for source, row in self.db.execute("SELECT source, row FROM taken"):
+            taken.setdefault(source, set()).add(row)
+        return taken
+
+    def batches_from(self, step: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Served batches with step >= `step`: (step, [(source, row), ...]) in step order."""
+        batches: dict[int, list[tuple[int, int]]] = {}
+        for batch_step, source, row in self.db.execute(
+            "SELECT step, source, row FROM taken WHERE epoch = ? AND step >= ? ORDER BY step, pos", (self.epoch, step)
+        ):
+            batches.setdefault(batch_step, []).append((source, row))
+        return sorted(batches.items())
+
+    def count_taken(self, step: int) -> int:
+        """Groups taken with `step` in the current epoch (e.g. SKIPPED_STALE)."""
+        (count,) = self.db.execute("SELECT COUNT(*) FROM taken WHERE epoch = ? AND step = ?", (self.epoch, step)).fetchone()
+        return int(count)
+
+    def served_groups(self) -> int:
+        """Groups served in batches in the current epoch."""
+        (count,) = self.db.execute("SELECT COUNT(*) FROM taken WHERE epoch = ? AND step >= 0", (self.epoch,)).fetchone()
+        return int(count)
+
+    def reset(self) -> None:
+        """Forget registration, envs and step (what /reset_data clears) and start a new epoch; taken groups stay taken."""
+        epoch = self.epoch + 1
+        with self.db:
+            self.db.execute("DELETE FROM envs")
+            self.db.execute("DELETE FROM kv")
+            self.db.execute("INSERT INTO kv (key, value) VALUES ('epoch', ?)", (json.dumps(epoch),))
