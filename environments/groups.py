@@ -14,7 +14,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MASK_IGNORE = -100
 """Value in `masks` for positions the trainer must not learn from (prompt tokens)."""
@@ -58,6 +58,16 @@ def content_group_id(tokens: list[list[int]], scores: list[float], env_id: int |
         digest.update(",".join(map(str, sequence)).encode())
     digest.update(repr([float(s) for s in scores]).encode())
     return digest.hexdigest()[:32]
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """A short 'field: problem' line per error, without pydantic's echo of the whole input."""
+    lines = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"{location}: {message}" if location else message)
+    return "; ".join(lines)
 
 
 def _utc_now() -> datetime:

@@ -34,7 +34,9 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from environments.groups import ScoredGroup
+from pydantic import ValidationError
+
+from environments.groups import ScoredGroup, describe_validation_error
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
 
 logger = logging.getLogger(__name__)
@@ -220,8 +222,10 @@ class ShardStore:
                     if not isinstance(group, ScoredGroup):
                         try:
                             group = ScoredGroup.model_validate(group)
-                        except ValueError as error:
-                            raise ValueError(f"group {index} of the chunk is invalid: {error}") from error
+                        except ValidationError as error:
+                            raise ValueError(
+                                f"group {index} of the chunk is invalid: {describe_validation_error(error)}"
+                            ) from None
                     pending.append(group)
                     if len(pending) >= WRITE_BATCH_GROUPS:
                         writer.write_batch(groups_to_record_batch(pending), row_group_size=row_group_groups)

@@ -41,12 +41,22 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         with temporary_settings(updates={PREFECT_API_URL: stack.api_url}):
             yield stack.environ()
     finally:
+        _drain_prefect_workers()
         stack.down()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _drain_prefect_workers() -> None:
+    """Send queued logs and events while the server is still up; otherwise exit waits on retries."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=10)
 
 
 @pytest.fixture
