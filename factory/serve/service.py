@@ -28,6 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
@@ -145,6 +147,9 @@ class BatchService:
         for shard in shards:
             if (shard.run_id, shard.shard) in self._known:
                 continue
+            if shard.run_id == self.config.ingest_run:
+                # Committed by a service that died before it could note the ids.
+                self.state.add_group_ids(pq.read_table(shard.path, columns=["group_id"]).column(0).to_pylist())
             source = self.state.add_source(shard.run_id, shard.shard, shard.rows)
             self.sources[source] = shard.path
             self._known.add((shard.run_id, shard.shard))
@@ -165,6 +170,7 @@ class BatchService:
     def _on_commit(self, record: CommitRecord, groups: list[ScoredGroup]) -> None:
         if (record.run_id, record.shard) in self._known:
             return
+        self.state.add_group_ids(group.group_id for group in groups)
         source = self.state.add_source(record.run_id, record.shard, record.rows)
         self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
         self._known.add((record.run_id, record.shard))
@@ -173,8 +179,23 @@ class BatchService:
             self.queue.add(source, row, group.group_size, self.queue.lane(key), group.policy_version)
         self._kick_prefetch()
 
-    async def ingest(self, groups: list[ScoredGroup]) -> None:
-        """Stamp posted groups with factory metadata and return once they are committed to a shard."""
+    async def ingest(self, groups: list[ScoredGroup]) -> int:
+        """Stamp posted groups with factory metadata and return once they are committed to a shard.
+
+        Groups whose id was already ingested (a client retrying after a crash
+        or a timeout) are acknowledged without being stored again; returns how
+        many were new.
+        """
+        known = self.state.known_group_ids([group.group_id for group in groups])
+        fresh, seen = [], set()
+        for group in groups:
+            if group.group_id in known or group.group_id in seen:
+                continue
+            seen.add(group.group_id)
+            fresh.append(group)
+        if len(fresh) < len(groups):
+            logger.info("%d posted groups were already stored; acknowledged without storing again", len(groups) - len(fresh))
+        groups = fresh
         for group in groups:
             env = self.envs[group.env_id] if group.env_id is not None and 0 <= group.env_id < len(self.envs) else None
             if not group.env:
@@ -184,7 +205,9 @@ class BatchService:
                 group.policy_version = self.step
         if self.committer is None:
             raise RuntimeError("the service is not started")
-        await self.committer.submit(groups)
+        if groups:
+            await self.committer.submit(groups)
+        return len(groups)
 
     # ---- trainer and env registration ----
     async def register(self, registration: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS sources (
 CREATE TABLE IF NOT EXISTS taken (
     source INTEGER NOT NULL, row INTEGER NOT NULL, step INTEGER NOT NULL, pos INTEGER NOT NULL,
     epoch INTEGER NOT NULL, PRIMARY KEY (source, row)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS ingested (group_id TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS taken_step ON taken (epoch, step, pos);
 """
 
@@ -83,6 +84,19 @@ class ServedState:
         with self.db:
             cursor = self.db.execute("INSERT INTO sources (run_id, shard, rows) VALUES (?, ?, ?)", (run_id, shard, rows))
         return int(cursor.lastrowid)
+
+    # ---- posted group ids (a client retrying after a crash must not add a group twice) ----
+    def known_group_ids(self, group_ids: list[str]) -> set[str]:
+        known: set[str] = set()
+        for start in range(0, len(group_ids), 500):
+            part = group_ids[start : start + 500]
+            query = f"SELECT group_id FROM ingested WHERE group_id IN ({','.join('?' * len(part))})"
+            known.update(row[0] for row in self.db.execute(query, part))
+        return known
+
+    def add_group_ids(self, group_ids: Iterable[str]) -> None:
+        with self.db:
+            self.db.executemany("INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for g in group_ids])
 
     # ---- taken groups ----
     @property
