@@ -1,0 +1,79 @@
+"""InternBootcamp: procedurally generated, verifiable reasoning tasks (no dataset download).
+
+Items come from `environments.bootcamp_tasks`: a weighted `RandomTask` mix of
+task families (or one family by name) at the configured difficulty levels.
+Rewards follow Atropos's InternBootcamp env: `correct_reward` for a correct
+answer, `incorrect_reward + format_bonus` for a formatted but wrong one,
+`incorrect_reward` when there is no `<answer>` tag.
+
+    python environments/intern_bootcamp.py process --env.group_size 8 \
+        --openai.base_url http://127.0.0.1:30000 --config deployments/intern_bootcamp.yaml
+"""
+
+from __future__ import annotations
+
+import random
+
+from pydantic import Field, field_validator
+
+from environments.base import BaseEnv, EnvConfig, Item
+from environments.bootcamp_tasks import FAMILIES, Case, RandomTask, RewardConfig, get_family
+
+
+class InternBootcampConfig(EnvConfig):
+    """The `env.` section for InternBootcamp."""
+
+    task_name: str = Field("RandomTask", description="'RandomTask' for the weighted mix, or one family name.")
+    weights: dict[str, float] | None = Field(None, description="Per-family weights for RandomTask; None weighs all equally.")
+    difficulties: list[int] = Field([1], description="Difficulty levels (1-5) items are drawn from.")
+    correct_reward: float = Field(1.0, description="Reward for a correct answer.")
+    incorrect_reward: float = Field(-0.5, description="Reward for a wrong or missing answer.")
+    format_bonus: float = Field(0.2, ge=0.0, lt=1.0, description="Added to incorrect_reward when the answer is tagged but wrong.")
+
+    @field_validator("task_name")
+    @classmethod
+    def _known_task(cls, value: str) -> str:
+        if value != "RandomTask" and value not in FAMILIES:
+            raise ValueError(f"unknown task {value!r}; use 'RandomTask' or one of: {', '.join(sorted(FAMILIES))}")
+        return value
+
+
+class InternBootcampEnv(BaseEnv):
+    name = "intern_bootcamp"
+    config_cls = InternBootcampConfig
+    config: InternBootcampConfig
+
+    def __init__(self, config: InternBootcampConfig | None = None) -> None:
+        super().__init__(config)
+        weights = {self.config.task_name: 1.0} if self.config.task_name != "RandomTask" else self.config.weights
+        self.tasks = RandomTask(weights, self.config.difficulties)
+        self.rewards = RewardConfig(
+            correct_reward=self.config.correct_reward,
+            incorrect_reward=self.config.incorrect_reward,
+            format_bonus=self.config.format_bonus,
+        )
+
+    def get_item(self, index: int) -> Item:
+        case = self.tasks.generate(random.Random(f"{self.config.seed}:{index}"))
+        return Item(key=case.key, messages=self.chat(case.prompt), answer=case, info={"index": index, "family": case.family})
+
+    def score(self, item: Item, completion: str) -> float:
+        case: Case = item.answer
+        return get_family(case.family).score(case, completion, self.rewards)
+
+    def is_correct(self, item: Item, completion: str) -> bool:
+        case: Case = item.answer
+        return get_family(case.family).verify_score(case, completion) >= 1.0
+
+    def eval_metrics(self, items: list[Item], completions: list[str]) -> dict[str, float]:
+        metrics = super().eval_metrics(items, completions)
+        for family in sorted({i.answer.family for i in items}):
+            pairs = [(i, c) for i, c in zip(items, completions) if i.answer.family == family]
+            metrics[f"accuracy/{family}"] = sum(self.is_correct(i, c) for i, c in pairs) / len(pairs)
+        return metrics
+
+
+if __name__ == "__main__":
+    from flows.datagen import cli
+
+    raise SystemExit(cli("environments.intern_bootcamp:InternBootcampEnv"))

@@ -1,0 +1,259 @@
+"""The datagen flow: items -> generate -> score -> group -> shard, one named flow (and deployment) per environment.
+
+    python environments/intern_bootcamp.py process --env.group_size 8 --openai.base_url http://127.0.0.1:30000
+    prefect deployment run intern-bootcamp-datagen/intern-bootcamp-datagen
+
+Work is cut into chunks of `datagen.chunk_items` items; chunk k is items
+[k*c, (k+1)*c) and is committed as shard (run, producer, k). A rerun with the
+same run id skips committed chunks and redoes the rest, so a `kill -9` loses
+at most the chunks in flight and never duplicates a group. Chunks run on the
+thread pool by default, or on a Dask LocalCluster / SLURM cluster chosen by
+`datagen.task_runner` (or a block named in `datagen.task_runner_block`), with
+no code change. In `serve` mode the flow pauses before each chunk while the
+batching service's queue holds `max_batches_offpolicy` batches or more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, deque
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from pydantic import Field, create_model
+
+from environments.base import EnvConfig, EnvSpec
+from factory.config import FactoryConfig, build_config, to_yaml
+from factory.inference.client import InferenceConfig
+from factory.store import ShardStore
+from flows.datagen_runtime import Backpressure, make_task_runner
+from tasks.generate import SamplingApi, generate_task
+from tasks.group import DROP_REASONS, group_task
+from tasks.score import score_task
+from tasks.shards import write_shard_task
+
+ENVIRONMENTS = {
+    "intern_bootcamp": "environments.intern_bootcamp:InternBootcampEnv",
+    "gsm8k": "environments.gsm8k:GSM8KEnv",
+}
+"""Environment name -> import path; each has a `<name>-datagen` flow below."""
+
+
+class DatagenSettings(FactoryConfig):
+    """The `datagen.` section: where groups go and how the work is cut and executed."""
+
+    run_id: str | None = Field(None, description="Run to write (and resume); default: the environment's name.")
+    store_root: str = Field("./data", description="Shard store root directory.")
+    producer: str | None = Field(None, description="Producer name in shard names; default: the environment's name.")
+    chunk_items: int = Field(100, ge=1, description="Items per chunk: a chunk is one shard (rollouts saved every N items).")
+    chunks_in_flight: int = Field(2, ge=1, description="Chunks in the pipeline at once (generation overlaps scoring).")
+    max_in_flight: int = Field(64, ge=1, description="Items sampled concurrently within a chunk.")
+    sampling_api: SamplingApi = Field("auto", description="generate (token in/out), chat, or auto (by openai.server_type).")
+    score_mode: Literal["process", "inline"] = Field("process", description="Score in scorer processes (timeout) or inline.")
+    score_workers: int = Field(2, ge=1, description="Scorer processes per flow process.")
+    score_timeout_s: float = Field(10.0, gt=0, description="Seconds one item's completions may take to score.")
+    task_runner: Literal["thread", "dask", "slurm"] = Field("thread", description="Where chunk tasks run.")
+    task_runner_block: str | None = Field(None, description="Block slug 'type/name' whose task_runner() overrides task_runner.")
+    thread_workers: int = Field(8, ge=1, description="Threads of the thread-pool runner.")
+    dask_workers: int = Field(2, ge=1, description="Worker processes of the Dask LocalCluster.")
+    dask_threads_per_worker: int = Field(4, ge=1, description="Threads per Dask worker.")
+    slurm: dict[str, Any] = Field(default_factory=dict, description="dask_jobqueue.SLURMCluster keyword arguments.")
+    slurm_jobs: int = Field(1, ge=1, description="Most SLURM jobs the cluster adapts up to.")
+    output_dir: str | None = Field(None, description="Where process/evaluate write JSONL, HTML, metrics; default: the run dir.")
+
+
+class ServeSettings(FactoryConfig):
+    """The `serve.` section: backpressure against the batching service in serve mode."""
+
+    api_url: str | None = Field(None, description="Batching API root (e.g. http://127.0.0.1:8000); None disables backpressure.")
+    max_batches_offpolicy: int = Field(3, ge=0, description="Pause while the API queue holds this many batches (0: never).")
+    batch_size: int = Field(-1, description="Trainer batch size in sequences; -1 asks the API's /info.")
+    poll_s: float = Field(1.0, gt=0, description="Seconds between /status polls while paused.")
+
+
+class JobConfig(FactoryConfig):
+    """A whole datagen job: env, inference endpoints, datagen execution, serve backpressure."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig, description="The environment's own config.")
+    openai: InferenceConfig = Field(default_factory=InferenceConfig, description="Inference endpoints (Atropos's openai section).")
+    datagen: DatagenSettings = Field(default_factory=DatagenSettings, description="Store, chunking and execution.")
+    serve: ServeSettings = Field(default_factory=ServeSettings, description="Backpressure against the batching API.")
+
+
+def job_config_model(ref: str) -> type[JobConfig]:
+    """The JobConfig whose `env` section is the environment's own config class."""
+    cls = EnvSpec(ref, {}).env_class()
+    return create_model(
+        f"{cls.__name__}Job", __base__=JobConfig,
+        env=(cls.config_cls, Field(default_factory=cls.config_cls, description=f"{cls.__name__} config.")),
+    )
+
+
+def build_job_config(ref: str, *, config_path: str | None = None, values: dict[str, Any] | None = None,
+                     cli_args: list[str] | None = None) -> JobConfig:
+    """Defaults < YAML < flow parameters < CLI, validated; run id and producer default to the env name."""
+    cfg = build_config(job_config_model(ref), yaml_path=config_path, values=values or {}, cli_args=cli_args or [])
+    name = EnvSpec(ref, {}).env_class().name
+    if cfg.datagen.run_id is None:
+        cfg.datagen.run_id = name.replace("_", "-")
+    if cfg.datagen.producer is None:
+        cfg.datagen.producer = name.replace("_", "-")
+    if cfg.env.tokenizer_name is None and cfg.openai.model_name != "default":
+        cfg.env.tokenizer_name = cfg.openai.model_name
+    return cfg
+
+
+def _stats_name(producer: str, chunk: int) -> str:
+    return f"stats-{producer}-{chunk:08d}.json"
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start, end) intervals: wall time with at least one chunk in inference."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(store: ShardStore, cfg: JobConfig, seconds: float, session: Counter[str],
+              intervals: list[tuple[float, float]]) -> dict[str, Any]:
+    """Totals over every committed chunk of this producer (this session and earlier ones)."""
+    run, producer = cfg.datagen.run_id, cfg.datagen.producer
+    totals: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    for record in store.committed(run).values():
+        if record.producer != producer:
+            continue
+        path = store.run_dir(run) / _stats_name(producer, record.chunk)
+        if path.is_file():
+            stats = json.loads(path.read_text())
+            dropped.update(stats["dropped"])
+            for key in ("groups_kept", "rollouts", "completion_tokens", "scored"):
+                totals[key] += stats[key]
+            totals["score_sum_milli"] += round(stats["score_sum"] * 1000)
+        totals["chunks"] += 1
+    return {
+        "run_id": run,
+        "producer": producer,
+        "chunks_committed": totals["chunks"],
+        "groups_kept": totals["groups_kept"],
+        "dropped": {reason: dropped.get(reason, 0) for reason in DROP_REASONS},
+        "rollouts": totals["rollouts"],
+        "mean_score": (totals["score_sum_milli"] / 1000 / totals["scored"]) if totals["scored"] else None,
+        "session_seconds": round(seconds, 3),
+        "session_chunks": session["chunks"],
+        "session_rollouts_per_s": round(session["rollouts"] / seconds, 2) if seconds else None,
+        "session_tokens_per_s": round(session["completion_tokens"] / seconds, 2) if seconds else None,
+        "session_groups_per_s": round(session["groups_kept"] / seconds, 2) if seconds else None,
+        "inference_share": round(covered(intervals) / seconds, 3) if seconds else None,
+        "paused_s": round(session["paused_ms"] / 1000, 2),
+        "store": str(store.run_dir(run)),
+    }
+
+
+@flow(name="datagen-pipeline", log_prints=False)
+def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Run the chunks of one job that are not committed yet; return the summary."""
+    logger = get_run_logger()
+    cfg = job_config_model(ref).model_validate(config)
+    d = cfg.datagen
+    store = ShardStore(d.store_root)
+    store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
+    spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
+    env_name = spec.env_class().name
+    n_chunks = math.ceil(cfg.env.total_items / d.chunk_items)
+    todo = [k for k in range(n_chunks) if not store.is_committed(d.run_id, d.producer, k)]
+    logger.info("%s: %d of %d chunks to do in run %r (store %s)", env_name, len(todo), n_chunks, d.run_id, d.store_root)
+    done = n_chunks - len(todo)
+    progress_id = create_progress_artifact(
+        progress=100.0 * done / n_chunks, key=f"{d.run_id}-progress".lower().replace("_", "-"),
+        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id}",
+    )
+    backpressure = Backpressure(cfg.serve, cfg.env.group_size) if cfg.serve.api_url else None
+    generation_params = cfg.env.model_dump(include={"temperature", "top_p", "max_tokens"})
+    session: Counter[str] = Counter()
+    started = time.perf_counter()
+    in_flight: deque[tuple[int, Any]] = deque()
+    intervals: list[tuple[float, float]] = []
+
+    def finish(chunk: int, grouped_future: Any) -> None:
+        nonlocal done
+        grouped = grouped_future.result()
+        generate_s = grouped.generate_s
+        intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
+        stats = {**grouped.stats(), "chunk": chunk}
+        store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
+        write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped.groups).result()
+        done += 1
+        session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
+                        "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})
+        update_progress_artifact(progress_id, 100.0 * done / n_chunks)
+        logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
+
+    for chunk in todo:
+        while len(in_flight) >= d.chunks_in_flight:
+            finish(*in_flight.popleft())
+        if backpressure is not None:
+            session["paused_ms"] += round(backpressure.wait(logger) * 1000)
+        indices = range(chunk * d.chunk_items, min((chunk + 1) * d.chunk_items, cfg.env.total_items))
+        generated = generate_task.submit(spec, indices, cfg.openai, tokenizer_name=cfg.env.tokenizer_name,
+                                         api=d.sampling_api, max_in_flight=d.max_in_flight)
+        scored = score_task.submit(spec, generated, timeout_s=d.score_timeout_s, workers=d.score_workers,
+                                   mode=d.score_mode)
+        grouped = group_task.submit(env_name, scored, group_size=cfg.env.group_size,
+                                    max_token_length=cfg.env.max_token_length,
+                                    ensure_scores_are_not_same=cfg.env.ensure_scores_are_not_same,
+                                    run_id=d.run_id, seed=cfg.env.seed, generation_params=generation_params)
+        in_flight.append((chunk, grouped))
+    while in_flight:
+        finish(*in_flight.popleft())
+
+    summary = summarize(store, cfg, time.perf_counter() - started, session, intervals)
+    store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
+    rows = [{"metric": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in summary.items()]
+    create_table_artifact(table=rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
+                          description=f"{env_name} datagen summary for run {d.run_id}")
+    logger.info("summary: %s", json.dumps(summary))
+    return summary
+
+
+def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                config_path: str | None = None, cli_args: list[str] | None = None) -> dict[str, Any]:
+    """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
+    values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
+    cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
+    runner = make_task_runner(cfg.datagen)
+    name = cfg.datagen.producer
+    pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
+    return pipeline(ref, cfg.model_dump(mode="json"))
+
+
+@flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)
+def intern_bootcamp_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                            datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                            config_path: str | None = None) -> dict[str, Any]:
+    """InternBootcamp rollouts into the shard store (sections as in deployments/intern_bootcamp.yaml)."""
+    return run_datagen(ENVIRONMENTS["intern_bootcamp"], env=env, openai=openai, datagen=datagen, serve=serve,
+                       config_path=config_path)
+
+
+@flow(name="gsm8k-datagen", retries=2, retry_delay_seconds=30)
+def gsm8k_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                  datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                  config_path: str | None = None) -> dict[str, Any]:
+    """GSM8K rollouts into the shard store (sections as in deployments/gsm8k.yaml)."""
+    return run_datagen(ENVIRONMENTS["gsm8k"], env=env, openai=openai, datagen=datagen, serve=serve,
+                       config_path=config_path)
+
+
+def cli(ref: str, argv: list[str] | None = None) -> int:
+    """`python environments/<env>.py {process,evaluate,serve} --config X --env.group_size 8 ...`."""
+    from flows.datagen_cli import main
+
+    return main(ref, argv)

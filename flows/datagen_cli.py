@@ -1,0 +1,139 @@
+"""The env scripts' command line, with Atropos's modes: `process`, `evaluate`, `serve`.
+
+    python environments/intern_bootcamp.py process  --config deployments/intern_bootcamp.yaml --env.total_items 16
+    python environments/intern_bootcamp.py evaluate --openai.base_url http://127.0.0.1:30000
+    python environments/intern_bootcamp.py serve    --serve.api_url http://127.0.0.1:8000
+
+`process` runs the datagen flow with no batching service and then writes the
+run's groups as `groups.jsonl` plus a self-contained `groups.html` to read
+them. `evaluate` greedy-samples the env's eval items and writes
+`metrics.json` and `samples.jsonl`. `serve` runs the flow with backpressure
+against the batching API, which serves the shards it commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from environments.base import EnvSpec, load_env
+from factory.config import ConfigError, split_config_path
+from factory.inference.client import InferenceClient
+from factory.store import ShardStore
+from flows.datagen import JobConfig, build_job_config, run_datagen
+from tasks.generate import ClientSampler, load_tokenizer, resolve_api
+
+MODES = ("process", "evaluate", "serve")
+
+
+def output_dir(cfg: JobConfig) -> Path:
+    d = cfg.datagen
+    path = Path(d.output_dir) if d.output_dir else ShardStore(d.store_root).run_dir(d.run_id)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_groups_jsonl(store: ShardStore, run_id: str, path: Path) -> int:
+    """Every group of a run as one JSON object per line (Atropos's wire fields plus factory metadata)."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for group in store.iter_groups(run_id):
+            out.write(group.model_dump_json() + "\n")
+            count += 1
+    return count
+
+
+def _message_html(message: dict[str, Any]) -> str:
+    return (f'<div class="msg {html.escape(str(message.get("role", "")))}"><b>{html.escape(str(message.get("role")))}'
+            f"</b><pre>{html.escape(str(message.get('content', '')))}</pre></div>")
+
+
+def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) -> None:
+    """A single HTML file (no external assets) with each group's prompt and scored completions."""
+    parts = [
+        "<!doctype html><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}details{border:1px solid #ccc;margin:6px;"
+        "padding:6px}pre{white-space:pre-wrap;margin:2px}.msg{margin:4px 0}.assistant{background:#f3f7ff}"
+        ".good{color:#070}.bad{color:#a00}</style>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    with open(jsonl, encoding="utf-8") as source:
+        for index, line in enumerate(source):
+            if index >= limit:
+                parts.append(f"<p>… only the first {limit} groups are shown; see {html.escape(jsonl.name)}</p>")
+                break
+            group = json.loads(line)
+            scores = group["scores"]
+            conversations = group.get("messages") or [[] for _ in scores]
+            prompt = conversations[0][:-1] if conversations and conversations[0] else []
+            parts.append(f"<details><summary>{html.escape(group['item_key'])} — scores "
+                         f"{html.escape(', '.join(f'{s:g}' for s in scores))}</summary>")
+            parts.extend(_message_html(m) for m in prompt)
+            for score, conversation in zip(scores, conversations):
+                css = "good" if score == max(scores) else "bad"
+                reply = conversation[-1] if conversation else {"role": "assistant", "content": ""}
+                parts.append(f"<p class='{css}'>score {score:g}</p>{_message_html(reply)}")
+            parts.append("</details>")
+    path.write_text("\n".join(parts), encoding="utf-8")
+
+
+def process(ref: str, cfg: JobConfig, config_path: str | None, args: list[str]) -> dict[str, Any]:
+    summary = run_datagen(ref, config_path=config_path, cli_args=args)
+    store = ShardStore(cfg.datagen.store_root)
+    out = output_dir(cfg)
+    jsonl = out / "groups.jsonl"
+    count = write_groups_jsonl(store, cfg.datagen.run_id, jsonl)
+    write_groups_html(jsonl, out / "groups.html", title=f"{cfg.datagen.producer} — run {cfg.datagen.run_id}")
+    print(f"wrote {count} groups to {jsonl} and {out / 'groups.html'}")
+    return summary
+
+
+def evaluate(ref: str, cfg: JobConfig) -> dict[str, float]:
+    env = load_env(EnvSpec(ref, cfg.env.model_dump(mode="json")))
+    api = resolve_api(cfg.datagen.sampling_api, cfg.openai)
+    tokenizer = load_tokenizer(cfg.env.tokenizer_name) if cfg.env.tokenizer_name else None
+
+    async def run() -> tuple[dict[str, float], list[dict[str, Any]]]:
+        async with InferenceClient(cfg.openai) as client:
+            return await env.evaluate(ClientSampler(client, tokenizer, api))
+
+    metrics, samples = asyncio.run(run())
+    out = output_dir(cfg)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+    with open(out / "samples.jsonl", "w", encoding="utf-8") as handle:
+        for sample in samples:
+            handle.write(json.dumps(sample, default=str) + "\n")
+    print(f"wrote {out / 'metrics.json'} and {out / 'samples.jsonl'}: {json.dumps(metrics)}")
+    return metrics
+
+
+def main(ref: str, argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in MODES:
+        print(f"usage: {Path(sys.argv[0]).name} {{{','.join(MODES)}}} [--config FILE] [--env.KEY VALUE ...]",
+              file=sys.stderr)
+        return 2
+    mode, rest = argv[0], argv[1:]
+    # Without PREFECT_API_URL Prefect starts a temporary server; on a busy laptop it needs longer than its default.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    config_path, args = split_config_path(rest)
+    try:
+        cfg = build_job_config(ref, config_path=config_path, cli_args=args)
+        if mode == "serve" and not cfg.serve.api_url:
+            raise ConfigError("serve mode needs the batching API: set --serve.api_url http://HOST:8000")
+    except (ConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if mode == "evaluate":
+        evaluate(ref, cfg)
+    elif mode == "process":
+        process(ref, cfg, config_path, args)
+    else:
+        print(json.dumps(run_datagen(ref, config_path=config_path, cli_args=args), indent=2))
+    return 0

@@ -1,0 +1,111 @@
+"""What the datagen flow runs on and when it waits: the task-runner registry and serve-mode backpressure.
+
+Task runners are picked by name (`thread`, `dask`, `slurm`) or by a Prefect
+block with a `task_runner()` method, so a laptop and a cluster differ in
+config only. Backpressure follows Atropos's `max_batches_offpolicy`: before
+each chunk, pause while the batching API's queue (GET /status `queue_size`, in
+groups) times group_size reaches `max_batches_offpolicy` x batch_size
+(batch_size from GET /info unless configured).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def _thread(d: Any) -> Any:
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=d.thread_workers)
+
+
+def _dask(d: Any) -> Any:
+    from prefect_dask import DaskTaskRunner
+
+    return DaskTaskRunner(cluster_kwargs={"n_workers": d.dask_workers, "threads_per_worker": d.dask_threads_per_worker,
+                                          "processes": True, "dashboard_address": None})
+
+
+def _slurm(d: Any) -> Any:
+    from prefect_dask import DaskTaskRunner
+
+    if not d.slurm:
+        raise ValueError("datagen.task_runner is 'slurm' but datagen.slurm is empty; give SLURMCluster arguments "
+                         "(e.g. queue, cores, memory, walltime) or set datagen.task_runner_block")
+    return DaskTaskRunner(cluster_class="dask_jobqueue.SLURMCluster", cluster_kwargs=dict(d.slurm),
+                          adapt_kwargs={"minimum": 1, "maximum": d.slurm_jobs})
+
+
+TASK_RUNNERS: dict[str, Callable[[Any], Any]] = {"thread": _thread, "dask": _dask, "slurm": _slurm}
+
+
+def make_task_runner(d: Any) -> Any:
+    """The task runner for `datagen` settings: a block's, else the named one from TASK_RUNNERS."""
+    if d.task_runner_block:
+        from prefect.blocks.core import Block
+
+        block = Block.load(d.task_runner_block)
+        if not hasattr(block, "task_runner"):
+            raise ValueError(f"block {d.task_runner_block!r} has no task_runner() method; use a cluster block that does")
+        return block.task_runner()
+    return TASK_RUNNERS[d.task_runner](d)
+
+
+class Backpressure:
+    """Asks the batching API how far the trainer is behind and waits until it catches up."""
+
+    def __init__(self, serve: Any, group_size: int, *, timeout: float = 10.0) -> None:
+        self.api_url = serve.api_url.rstrip("/")
+        self.max_batches = serve.max_batches_offpolicy
+        self.batch_size = serve.batch_size
+        self.poll_s = serve.poll_s
+        self.group_size = group_size
+        self.http = httpx.Client(timeout=timeout)
+
+    def _get(self, path: str) -> dict[str, Any]:
+        response = self.http.get(f"{self.api_url}{path}")
+        response.raise_for_status()
+        return response.json()
+
+    def limit(self) -> int | None:
+        """Sequences the queue may hold before the flow pauses; None while the trainer has not registered."""
+        if self.batch_size <= 0:
+            batch_size = int(self._get("/info").get("batch_size", -1))
+            if batch_size <= 0:
+                return None
+            self.batch_size = batch_size
+        return self.max_batches * self.batch_size
+
+    def behind(self) -> bool:
+        if self.max_batches <= 0:
+            return False
+        limit = self.limit()
+        if limit is None:
+            return True  # Atropos waits for the trainer to register before producing
+        return int(self._get("/status").get("queue_size", 0)) * self.group_size >= limit
+
+    def wait(self, log: Any = logger) -> float:
+        """Block while the trainer is behind; returns the seconds paused. API outages are retried, not fatal."""
+        started = time.monotonic()
+        announced = False
+        while True:
+            try:
+                if not self.behind():
+                    break
+            except (httpx.HTTPError, ValueError) as error:
+                log.warning("batching API %s not answering (%s); retrying in %.1fs", self.api_url, error, self.poll_s)
+            if not announced:
+                log.info("paused: the trainer is %d+ batches behind (or not registered); waiting", self.max_batches)
+                announced = True
+            time.sleep(self.poll_s)
+        paused = time.monotonic() - started
+        if announced:
+            log.info("resumed after %.1fs", paused)
+        return paused

@@ -1,0 +1,183 @@
+"""Generate: a chunk of items -> a group of rollouts per item, with many inference requests in flight.
+
+Tokens travel with the text. In `generate` mode (SGLang's /generate, the
+default for `server_type: sglang`) the chat template is applied here with the
+policy's tokenizer and the server's output ids and logprobs are kept as they
+are. In `chat` mode (OpenAI-compatible servers without /generate) the prompt
+is templated and the completion tokenized locally when the server does not
+return ids; logprobs are kept only when they line up with the tokens.
+A failed item becomes rollouts with `error` set (a bad rollout is data); a
+chunk where most items fail raises, so Prefect's retries handle a dead server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env
+from factory.inference.client import InferenceClient, InferenceConfig
+from factory.inference.types import Completion, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SamplingApi = Literal["auto", "generate", "chat"]
+
+
+_tokenizer_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"cannot load tokenizer {name!r} ({error}); set env.tokenizer_name to the policy directory or hub id"
+        ) from None
+
+
+def load_tokenizer(name: str) -> Any:
+    """The HF tokenizer (with chat template) of the policy, loaded once per process (transformers' lazy imports
+    are not safe to race from several chunk threads)."""
+    with _tokenizer_lock:
+        return _load_tokenizer(name)
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class ClientSampler:
+    """The `Sampler` environments use: token in/token out over /generate, or chat with local tokenization."""
+
+    def __init__(self, client: InferenceClient, tokenizer: Any | None, api: Literal["generate", "chat"]) -> None:
+        if api == "generate" and tokenizer is None:
+            raise ValueError("sampling through /generate needs a tokenizer; set env.tokenizer_name")
+        self.client, self.tokenizer, self.api = client, tokenizer, api
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    def _ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        key = repr(messages)
+        ids = self._prompt_cache.get(key)
+        if ids is None:
+            if len(self._prompt_cache) > 4096:
+                self._prompt_cache.clear()
+            ids = self._prompt_cache[key] = prompt_ids(self.tokenizer, messages)
+        return ids
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams) -> list[Completion]:
+        if self.api == "generate":
+            ids = self._ids(messages)
+            completions = await self.client.generate(ids, n=n, sampling=sampling)
+            return [c if c.prompt_token_ids else _replace(c, prompt_token_ids=ids) for c in completions]
+        completions = await self.client.chat(messages, n=n, sampling=sampling)
+        if self.tokenizer is None:
+            return completions
+        return [self._tokenize(messages, c) for c in completions]
+
+    def _tokenize(self, messages: list[dict[str, Any]], c: Completion) -> Completion:
+        prompt = c.prompt_token_ids or self._ids(messages)
+        output = c.output_token_ids
+        logprobs = c.output_logprobs
+        if output is None:
+            output = list(self.tokenizer.encode(c.text, add_special_tokens=False))
+            if c.finish_reason == "stop" and self.tokenizer.eos_token_id is not None:
+                output.append(self.tokenizer.eos_token_id)
+        if logprobs is not None and len(logprobs) != len(output):
+            logprobs = None  # server tokens and ours differ: better no logprobs than misaligned ones
+        return _replace(c, prompt_token_ids=prompt, output_token_ids=output, output_logprobs=logprobs)
+
+
+def _replace(c: Completion, **changes: Any) -> Completion:
+    from dataclasses import replace
+
+    return replace(c, **changes)
+
+
+def resolve_api(api: SamplingApi, config: InferenceConfig) -> Literal["generate", "chat"]:
+    if api != "auto":
+        return api
+    return "generate" if config.server_type == "sglang" else "chat"
+
+
+@dataclass
+class GeneratedChunk:
+    """What generating one chunk produced: its items, a list of rollouts per item, and inference time."""
+
+    items: list[Item]
+    rollouts: list[list[Rollout]]
+    failed_items: int
+    generate_s: float
+    started_at: float = 0.0
+    """Wall-clock start (time.time()), to measure the share of a run spent in inference."""
+
+
+async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, max_in_flight: int) -> GeneratedChunk:
+    """Sample a group for every item, at most `max_in_flight` items at once; failures become error rollouts."""
+    gate = asyncio.Semaphore(max_in_flight)
+    started, wall = time.perf_counter(), time.time()
+
+    async def one(item: Item) -> list[Rollout]:
+        async with gate:
+            try:
+                return await env.collect_trajectories(item, sampler)
+            except Exception as error:  # recorded as data; the chunk decides if it is an outage
+                reason = f"generate_error: {type(error).__name__}: {error}"[:300]
+                logger.warning("item %s failed: %s", item.key, reason)
+                return [Rollout(item.key, "", None, None, None, "abort", 0, error=reason)]
+
+    rollouts = await asyncio.gather(*(one(item) for item in items))
+    failed = sum(1 for group in rollouts if any((r.error or "").startswith("generate_error") for r in group))
+    return GeneratedChunk(list(items), list(rollouts), failed, time.perf_counter() - started, wall)
+
+
+def generate_chunk(
+    spec: EnvSpec,
+    indices: Sequence[int],
+    openai: InferenceConfig,
+    *,
+    tokenizer_name: str | None,
+    api: SamplingApi = "auto",
+    max_in_flight: int = 64,
+    max_failed_fraction: float = 0.5,
+) -> GeneratedChunk:
+    """Items at `indices` and their rollouts; raises when more than `max_failed_fraction` of items failed."""
+    env = load_env(spec)
+    items = [env.get_item(i) for i in indices]
+    chosen = resolve_api(api, openai)
+    tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
+
+    async def run() -> GeneratedChunk:
+        async with InferenceClient(openai) as client:
+            return await generate_items(env, items, ClientSampler(client, tokenizer, chosen), max_in_flight=max_in_flight)
+
+    result = asyncio.run(run())
+    if items and result.failed_items / len(items) > max_failed_fraction:
+        example = next(r.error for g in result.rollouts for r in g if r.error)
+        raise RuntimeError(
+            f"{result.failed_items} of {len(items)} items failed to generate (e.g. {example}); "
+            f"check that openai.base_url {openai.base_url} is up"
+        )
+    return result
+
+
+generate_task = task(
+    generate_chunk, name="generate", task_run_name="generate-chunk", retries=2, retry_delay_seconds=[5, 30],
+    cache_policy=NO_CACHE,
+)

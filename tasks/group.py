@@ -1,0 +1,165 @@
+"""Rollouts -> `ScoredGroup`s: tokens, masks, aligned inference logprobs and messages, with drop reasons counted.
+
+A group is dropped (and counted by reason, in this order) when a rollout
+failed to generate or score (`failed`), when it has fewer or more sequences
+than `group_size` (`wrong_size`), when any sequence is longer than
+`max_token_length` (`too_long`, as Atropos drops the whole group), or when
+every score is the same (`equal_scores`: no GRPO signal).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from environments.base import Item, Rollout
+from environments.groups import MASK_IGNORE, ScoredGroup, make_group_id
+from tasks.generate import GeneratedChunk
+
+logger = logging.getLogger(__name__)
+
+DROP_REASONS = ("failed", "wrong_size", "too_long", "equal_scores")
+
+
+@dataclass
+class GroupedChunk:
+    """The kept groups of a chunk and what was dropped, with the counts the summary needs."""
+
+    groups: list[ScoredGroup]
+    dropped: Counter[str] = field(default_factory=Counter)
+    rollouts: int = 0
+    completion_tokens: int = 0
+    score_sum: float = 0.0
+    scored: int = 0
+    generate_s: float = 0.0
+    generate_started_at: float = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "groups_kept": len(self.groups),
+            "dropped": {reason: self.dropped.get(reason, 0) for reason in DROP_REASONS},
+            "rollouts": self.rollouts,
+            "completion_tokens": self.completion_tokens,
+            "score_sum": self.score_sum,
+            "scored": self.scored,
+            "generate_s": round(self.generate_s, 4),
+            "generate_started_at": self.generate_started_at,
+        }
+
+
+def sequence_tokens(rollout: Rollout) -> tuple[list[int], list[int], list[float] | None]:
+    """(tokens, masks, inference_logprobs) for one rollout: prompt positions masked and given logprob 1.0."""
+    prompt = list(rollout.prompt_token_ids or [])
+    output = list(rollout.output_token_ids or [])
+    masks = [MASK_IGNORE] * len(prompt) + output
+    logprobs = None
+    if rollout.output_logprobs is not None and len(rollout.output_logprobs) == len(output):
+        logprobs = [1.0] * len(prompt) + [float(x) for x in rollout.output_logprobs]
+    return prompt + output, masks, logprobs
+
+
+def build_group(
+    env: str,
+    item: Item,
+    rollouts: Sequence[Rollout],
+    *,
+    group_size: int,
+    max_token_length: int,
+    ensure_scores_are_not_same: bool = True,
+    run_id: str = "",
+    seed: int = 0,
+    generation_params: dict[str, Any] | None = None,
+) -> ScoredGroup | str:
+    """The group for one item, or the reason it is dropped (one of DROP_REASONS)."""
+    if any(r.error is not None or r.score is None or not r.output_token_ids or not r.prompt_token_ids for r in rollouts):
+        return "failed"
+    if len(rollouts) != group_size:
+        return "wrong_size"
+    sequences = [sequence_tokens(r) for r in rollouts]
+    if any(len(tokens) > max_token_length for tokens, _, _ in sequences):
+        return "too_long"
+    scores = [float(r.score) for r in rollouts]  # type: ignore[arg-type]
+    if ensure_scores_are_not_same and len(scores) > 1 and len(set(scores)) == 1:
+        return "equal_scores"
+    logprobs = [lp for _, _, lp in sequences]
+    policy_version = min(r.policy_version for r in rollouts)
+    return ScoredGroup(
+        tokens=[t for t, _, _ in sequences],
+        masks=[m for _, m, _ in sequences],
+        scores=scores,
+        inference_logprobs=None if any(lp is None for lp in logprobs) else logprobs,  # type: ignore[arg-type]
+        messages=[[*item.messages, {"role": "assistant", "content": r.text}] for r in rollouts],
+        generation_params=generation_params,
+        group_id=make_group_id(env, item.key, seed, policy_version),
+        env=env,
+        item_key=item.key,
+        policy_version=policy_version,
+        run_id=run_id,
+    )
+
+
+def group_chunk(
+    env: str,
+    items: Sequence[Item],
+    rollouts: Sequence[Sequence[Rollout]],
+    *,
+    group_size: int,
+    max_token_length: int,
+    ensure_scores_are_not_same: bool = True,
+    run_id: str = "",
+    seed: int = 0,
+    generation_params: dict[str, Any] | None = None,
+) -> GroupedChunk:
+    """Group every item of a chunk, counting drops by reason."""
+    if len(items) != len(rollouts):
+        raise ValueError(f"group_chunk got {len(items)} items but {len(rollouts)} rollout lists; they must pair up")
+    result = GroupedChunk(groups=[])
+    for item, group_rollouts in zip(items, rollouts):
+        result.rollouts += len(group_rollouts)
+        for r in group_rollouts:
+            result.completion_tokens += len(r.output_token_ids or [])
+            if r.score is not None:
+                result.score_sum += r.score
+                result.scored += 1
+        built = build_group(
+            env, item, group_rollouts, group_size=group_size, max_token_length=max_token_length,
+            ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
+            generation_params=generation_params,
+        )
+        if isinstance(built, str):
+            result.dropped[built] += 1
+        else:
+            result.groups.append(built)
+    if result.dropped:
+        logger.debug("chunk of %d items: dropped %s", len(items), dict(result.dropped))
+    return result
+
+
+def group_generated(
+    env: str,
+    chunk: GeneratedChunk,
+    *,
+    group_size: int,
+    max_token_length: int,
+    ensure_scores_are_not_same: bool = True,
+    run_id: str = "",
+    seed: int = 0,
+    generation_params: dict[str, Any] | None = None,
+) -> GroupedChunk:
+    """`group_chunk` over a scored chunk (the pipeline's group step), carrying its inference time along."""
+    grouped = group_chunk(
+        env, chunk.items, chunk.rollouts, group_size=group_size, max_token_length=max_token_length,
+        ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
+        generation_params=generation_params,
+    )
+    grouped.generate_s, grouped.generate_started_at = chunk.generate_s, chunk.started_at
+    return grouped
+
+
+group_task = task(group_generated, name="group", task_run_name="group-{env}", cache_policy=NO_CACHE)
