@@ -172,6 +172,8 @@ class BatchingEngine:
     def __init__(self, engine: PolicyEngine, *, max_batch_rows: int = 64) -> None:
         self.engine = engine
         self.max_batch_rows = max_batch_rows
+        self.batches = 0
+        self.rows = 0
         self._queue: queue.Queue[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="policy-engine", daemon=True)
         self._thread.start()
@@ -216,6 +218,8 @@ class BatchingEngine:
                 batch.append(item)
                 rows += len(item[1])
             flat = [req for job in batch for req in job[1]]
+            self.batches += 1
+            self.rows += len(flat)
             try:
                 results = self.engine.generate_batch(flat)
             except Exception as error:  # noqa: BLE001 - handed to every waiting request
