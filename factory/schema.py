@@ -8,10 +8,12 @@ arbitrary nested dicts. Floats are float64 so a round trip changes no value.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from environments.groups import GROUP_META_FIELDS, GROUP_WIRE_FIELDS, ScoredGroup
@@ -58,6 +60,20 @@ def _dump_json(name: str, value: Any) -> str | None:
         raise ValueError(f"{name} must be JSON-serialisable without NaN or infinity: {error}") from error
 
 
+def _int_2d(groups_of_sequences: list[list[list[int]]]) -> pa.Array:
+    """Build list<list<int32>> from flat buffers: ~10x faster than pyarrow's nested conversion."""
+    sequences = [sequence for group in groups_of_sequences for sequence in group]
+    values = pa.array(list(itertools.chain.from_iterable(sequences)), type=pa.int32())
+    inner = np.zeros(len(sequences) + 1, dtype=np.int32)
+    np.cumsum([len(sequence) for sequence in sequences], out=inner[1:])
+    outer = np.zeros(len(groups_of_sequences) + 1, dtype=np.int32)
+    np.cumsum([len(group) for group in groups_of_sequences], out=outer[1:])
+    return pa.ListArray.from_arrays(pa.array(outer), pa.ListArray.from_arrays(pa.array(inner), values))
+
+
+_FAST_COLUMNS = {"tokens": _int_2d, "masks": _int_2d}
+
+
 def groups_to_record_batch(groups: Iterable[ScoredGroup]) -> pa.RecordBatch:
     """Columnar form of validated groups, in GROUP_SCHEMA."""
     columns: dict[str, list[Any]] = {field.name: [] for field in GROUP_SCHEMA}
@@ -66,9 +82,12 @@ def groups_to_record_batch(groups: Iterable[ScoredGroup]) -> pa.RecordBatch:
             value = getattr(group, name)
             columns[name].append(_dump_json(name, value) if name in JSON_FIELDS else value)
         columns["group_size"].append(group.group_size)
-    return pa.RecordBatch.from_arrays(
-        [pa.array(columns[field.name], type=field.type) for field in GROUP_SCHEMA], schema=GROUP_SCHEMA
-    )
+    arrays = [
+        _FAST_COLUMNS[field.name](columns[field.name]) if field.name in _FAST_COLUMNS
+        else pa.array(columns[field.name], type=field.type)
+        for field in GROUP_SCHEMA
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=GROUP_SCHEMA)
 
 
 def rows_to_groups(rows: Iterable[dict[str, Any]], validate: bool = False) -> Iterator[ScoredGroup]:

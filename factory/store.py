@@ -215,7 +215,7 @@ class ShardStore:
         pending: list[ScoredGroup] = []
         with open(path, "wb") as handle:
             writer = pq.ParquetWriter(
-                handle, GROUP_SCHEMA, compression="zstd", write_page_checksum=True, use_dictionary=["env", "run_id"]
+                handle, GROUP_SCHEMA, compression="zstd", write_page_checksum=True
             )
             try:
                 for index, group in enumerate(groups):
