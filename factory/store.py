@@ -109,6 +109,18 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+
+
+def _verified_sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, inode, size, mtime) so unchanged shards are hashed once."""
+    stat = path.stat()
+    key = (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _sha256(path)
+    return _VERIFIED[key]
+
+
 class ShardStore:
     """A directory of runs, each a set of committed Parquet shards of `ScoredGroup`s."""
 
@@ -278,12 +290,13 @@ class ShardStore:
         return shard_name(producer, chunk) in self.committed(run_id)
 
     # ---- reading ----
-    def shard_paths(self, run_id: str, *, checksum: bool = False) -> list[Path]:
+    def shard_paths(self, run_id: str, *, checksum: bool = True) -> list[Path]:
         """Paths of a run's committed, intact shards in commit order.
 
-        Each is checked against its logged size (and, with `checksum`, its
-        sha256); problems go to `self.problems` and the log, and the shard is
-        left out.
+        Each is checked against its logged size and sha256 (a file already
+        verified in this process, unchanged since, is not hashed again);
+        problems go to `self.problems` and the log, and the shard is left out.
+        `checksum=False` checks sizes only, for callers that re-list often.
         """
         self.problems = []
         paths = []
@@ -306,13 +319,14 @@ class ShardStore:
             return "missing"
         if size != record.bytes:
             return f"size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)"
-        if checksum and _sha256(path) != record.sha256:
+        if checksum and _verified_sha256(path) != record.sha256:
             return "sha256 differs from the commit log (corrupt)"
         return None
 
     def verify(self, run_id: str) -> list[ShardProblem]:
         """Full check of every committed shard: size, sha256, and a readable footer."""
-        paths = self.shard_paths(run_id, checksum=True)
+        _VERIFIED.clear()
+        paths = self.shard_paths(run_id)
         problems = list(self.problems)
         for path in paths:
             try:
