@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 
 from factory.config import ConfigError, build_config, split_config_path
 from factory.serve.app import create_app
 from factory.serve.config import ServeConfig
+from factory.serve.service import BatchService
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +31,39 @@ def load_config(args: Sequence[str], values: dict | None = None) -> ServeConfig:
     if os.environ.get(TOKEN_ENV):
         values.setdefault("api_token", os.environ[TOKEN_ENV])
     return build_config(ServeConfig, yaml_path=path, cli_args=rest, values=values)
+
+
+def run_service(config: ServeConfig, *, stop_after_steps: int | None = None, max_runtime_s: float | None = None) -> dict[str, Any]:
+    """Serve until stopped: after `stop_after_steps` trainer steps, `max_runtime_s`, or a signal; returns final status.
+
+    This is what the Prefect flow runs; it works from a worker thread too
+    (uvicorn then leaves signal handling to the main thread).
+    """
+    service = BatchService(config)
+    app = create_app(config, service)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False))
+    started = time.monotonic()
+
+    async def watch() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+            if stop_after_steps is not None and service.step >= stop_after_steps:
+                server.should_exit = True
+            if max_runtime_s is not None and time.monotonic() - started >= max_runtime_s:
+                server.should_exit = True
+
+    async def main() -> dict[str, Any]:
+        watcher = asyncio.create_task(watch())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+        status = service.final_status if service.final_status is not None else service.status()
+        return {**status, "seconds": round(time.monotonic() - started, 2), "port": config.port}
+
+    result = asyncio.run(main())
+    logger.info("batching API stopped: %s", result)
+    return result
 
 
 def serve(config: ServeConfig) -> None:

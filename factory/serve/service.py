@@ -76,6 +76,7 @@ class BatchService:
         self._follow_task: asyncio.Task[None] | None = None
         self.committer: GroupCommitter | None = None
         self.requesters: list[int] = []
+        self.final_status: dict[str, Any] | None = None
         self._load()
 
     # ---- lifecycle ----
@@ -128,6 +129,8 @@ class BatchService:
                     await task
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                     pass
+        self._release_prefetch()
+        self.final_status = self.status()
         self.state.close()
 
     # ---- sources of groups ----
