@@ -13,7 +13,6 @@ decoded masked (-100) tokens, the completion the decoded trained tokens.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from typing import Any
 
@@ -175,6 +174,11 @@ class Renderer:
 
     def content_hash(self, row: dict[str, Any]) -> int:
         """64-bit hash of a row's content columns (not its scores or metadata), for dedup."""
-        content = [row[name] for name in self.content_columns()]
-        digest = hashlib.blake2b(json.dumps(content, ensure_ascii=False).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little", signed=True)
+        digest = hashlib.blake2b(digest_size=8)
+        for name in self.content_columns():
+            value = row[name]
+            if isinstance(value, str):
+                digest.update(b"\x1d" + value.encode())
+            else:
+                digest.update(b"\x1d" + "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in value).encode())
+        return int.from_bytes(digest.digest(), "little", signed=True)

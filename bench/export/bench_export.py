@@ -1,0 +1,190 @@
+"""SFT export rows/s: the factory's `atropos-sft-gen` (shard store) vs atroposlib's `atropos-sft-gen` (run-api).
+
+    ATROPOS_VENV=/opt/atropos-venv python bench/export/bench_export.py --groups 1024
+    python bench/export/bench_export.py --memory 50000,500000      # peak RSS of exports of two sizes
+
+Both sides get the same synthetic groups (8 sequences each) and the same rules
+(top 3 per group, positive scores, message lists). Atropos's CLI reads them
+from its run-api, which the bench starts in atroposlib's venv and fills through
+/scored_data_list once the CLI has registered; the factory reads the store.
+Each side is timed from the start of its command to its exit (Atropos's from
+the first POST, so filling its queue overlaps its reading). Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.atropos_venv import atropos_python  # noqa: E402
+from factory.store import ShardStore  # noqa: E402
+from factory.synthetic import synthetic_group  # noqa: E402
+
+GROUP_SIZE = 8
+TOP_N = 3
+
+
+def make_store(root: Path, groups: int, seq_len: int = 64) -> list[dict]:
+    """Commit `groups` synthetic groups in chunks of 256; return them as Atropos wire dicts."""
+    store = ShardStore(root)
+    wire, chunk = [], []
+    for index in range(groups):
+        group = synthetic_group(index, group_size=GROUP_SIZE, seq_len=seq_len, run_id="bench")
+        chunk.append(group)
+        wire.append(json.loads(group.model_dump_json(include=set(group.wire_dict()))))
+        if len(chunk) == 256:
+            store.commit("bench", "w0", index // 256, chunk)
+            chunk = []
+    if chunk:
+        store.commit("bench", "w0", groups // 256, chunk)
+    return wire
+
+
+def expected_rows(wire: list[dict]) -> int:
+    return sum(min(TOP_N, sum(1 for s in g["scores"] if s > 0)) for g in wire)
+
+
+def tiny_tokenizer(directory: Path) -> Path:
+    """A local tokenizer dir: atroposlib's CLI loads one at start even with --save-messages, and the hub is offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["benchmark text"] * 10, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(directory)
+    return directory
+
+
+def run_factory(store: Path, out: Path) -> tuple[float, int]:
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", str(out), "--store", str(store),
+         "--save-top-n-per-group", str(TOP_N), "--save-messages", "--no-dedup", "--quiet"],
+        check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+    )
+    seconds = time.perf_counter() - started
+    return seconds, sum(1 for _ in open(out))
+
+
+def _wait_http(url: str, deadline_s: float = 120) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def run_atropos(wire: list[dict], rows: int, work: Path, port: int) -> tuple[float, int]:
+    python = atropos_python()
+    bin_dir = python.parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    api = subprocess.Popen([str(bin_dir / "run-api"), "--port", str(port)], env=env, cwd=work,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    out = work / "atropos_sft.jsonl"
+    try:
+        _wait_http(f"{url}/")
+        cli = subprocess.Popen(
+            [str(bin_dir / "atropos-sft-gen"), str(out), "--api-url", url, "--group-size", str(GROUP_SIZE),
+             "--tokenizer", str(tiny_tokenizer(work / "tok")), "--save-messages", "--save-top-n-per-group", str(TOP_N),
+             "--num-seqs-to-save", str(rows)],
+            env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        with httpx.Client(timeout=120) as client:
+            while client.get(f"{url}/info").json().get("batch_size", -1) == -1:  # the CLI resets, then registers
+                time.sleep(0.05)
+            started = time.perf_counter()
+            for start in range(0, len(wire), 256):
+                client.post(f"{url}/scored_data_list", json=wire[start : start + 256]).raise_for_status()
+        if cli.wait(timeout=3600) != 0:
+            raise RuntimeError("atroposlib's atropos-sft-gen failed")
+        seconds = time.perf_counter() - started
+    finally:
+        api.terminate()
+        api.wait(timeout=30)
+    return seconds, sum(1 for _ in open(out))
+
+
+def speed(groups: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
+        work = Path(tmp)
+        wire = make_store(work / "store", groups)
+        rows = expected_rows(wire)
+        f_s, f_rows = run_factory(work / "store", work / "factory_sft.jsonl")
+        a_s, a_rows = run_atropos(wire, rows, work, port=int(os.environ.get("BENCH_PORT", "18765")))
+    print(f"\nSFT export of {groups} groups x {GROUP_SIZE} (top {TOP_N}, positive scores, messages); {rows} rows expected\n")
+    print(f"| exporter | rows | seconds | rows/s | vs atroposlib |")
+    print(f"|---|---:|---:|---:|---:|")
+    print(f"| atroposlib 0.4.0 atropos-sft-gen (run-api) | {a_rows} | {a_s:.2f} | {a_rows / a_s:,.0f} | 1.0x |")
+    ratio = (f_rows / f_s) / (a_rows / a_s)
+    print(f"| factory atropos-sft-gen (shard store) | {f_rows} | {f_s:.2f} | {f_rows / f_s:,.0f} | {ratio:.1f}x |")
+
+
+def _rss_child(store: str, out: str) -> None:
+    import resource
+
+    from factory.export import OutputConfig, SelectionConfig, SftExportConfig, SourceConfig, export_sft
+
+    stats = export_sft(SftExportConfig(source=SourceConfig(store=store), select=SelectionConfig(),
+                                       output=OutputConfig(path=out)))
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"groups": stats.groups_in, "rows": stats.rows_out, "seconds": stats.seconds, "peak_mb": peak_mb}))
+
+
+def make_big_store(root: Path, groups: int) -> None:
+    """Many distinct groups quickly: 512 base groups, re-committed with a per-chunk marker in every message."""
+    store = ShardStore(root)
+    base = [synthetic_group(i, group_size=GROUP_SIZE, seq_len=32, run_id="big") for i in range(512)]
+    for chunk in range((groups + 511) // 512):
+        take = base[: min(512, groups - chunk * 512)]
+        store.commit("big", "w0", chunk, [
+            g.model_copy(update={"messages": [[{**m, "content": f"{m['content']} #{chunk}"} for m in convo]
+                                              for convo in g.messages]}) for g in take
+        ])
+
+
+def memory(sizes: list[int]) -> None:
+    print("\n| groups | rows out | seconds | rows/s | peak RSS MiB |\n|---:|---:|---:|---:|---:|")
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix="bench-export-mem-") as tmp:
+            make_big_store(Path(tmp) / "store", size)
+            result = subprocess.run(
+                [sys.executable, __file__, "--rss-child", str(Path(tmp) / "store"), str(Path(tmp) / "out")],
+                check=True, capture_output=True, text=True, cwd=ROOT,
+            )
+            r = json.loads(result.stdout.strip().splitlines()[-1])
+            print(f"| {r['groups']:,} | {r['rows']:,} | {r['seconds']:.1f} | {r['rows'] / r['seconds']:,.0f} | {r['peak_mb']:.0f} |",
+                  flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=1024, help="Groups for the side-by-side run (a multiple of 64).")
+    parser.add_argument("--memory", default=None, help="Comma-separated store sizes (groups) for the peak-RSS run.")
+    parser.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_child:
+        _rss_child(*args.rss_child)
+    elif args.memory:
+        memory([int(s) for s in args.memory.split(",")])
+    else:
+        speed(args.groups)
+
+
+if __name__ == "__main__":
+    main()
