@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -45,7 +46,7 @@ class NoEndpointAvailable(RuntimeError):
 
 class EndpointPool:
     def __init__(self, roots: list[str], *, cap: int, eject_after: int, probe_interval_s: float, health_path: str,
-                 http: httpx.AsyncClient) -> None:
+                 http: Any) -> None:
         self.endpoints = [Endpoint(root) for root in roots]
         self.cap = cap
         self.eject_after = eject_after
