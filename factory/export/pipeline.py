@@ -56,7 +56,7 @@ def _sft_rows(
                 stats.dropped[rules.DUPLICATE] += 1
                 continue
             taken += 1
-            stats.scores_out.add([group.scores[index]])
+            stats.scores_out.add_one(group.scores[index])
             yield row
 
 
@@ -97,7 +97,9 @@ def _run(
     renderer = _renderer(kind, config, tokenizer)
     writer = DatasetWriter(config.output, renderer.schema())
     limit = config.select.limit
-    source = iter_groups(config.source) if groups is None else groups
+    select = config.select
+    need_tokens = select.max_token_len is not None or select.min_completion_tokens > 0 or config.output.style == "text"
+    source = iter_groups(config.source, need_tokens=need_tokens) if groups is None else groups
     last_report = started
     try:
         for row in rows(source, config, renderer, stats):

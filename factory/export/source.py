@@ -7,7 +7,6 @@ them, so groups whose sequences are all dropped cost no JSON parsing.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -25,7 +25,7 @@ from factory.store import ShardStore
 
 logger = logging.getLogger(__name__)
 
-_STORE_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages", "tokens", "masks"]
+_META_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages"]
 
 
 class SourceError(RuntimeError):
@@ -52,7 +52,7 @@ class ExportGroup:
     @property
     def messages(self) -> list[list[dict[str, Any]]] | None:
         if self._messages is None and self._messages_json is not None:
-            self._messages = json.loads(self._messages_json)
+            self._messages = orjson.loads(self._messages_json)
             self._messages_json = None
         return self._messages
 
@@ -91,15 +91,25 @@ def _completion_lengths(masks: pa.Array, per_seq: np.ndarray) -> np.ndarray:
 
 
 def groups_from_batch(batch: pa.RecordBatch) -> Iterator[ExportGroup]:
-    """ExportGroups of one stored record batch (GROUP_SCHEMA columns, projected)."""
-    offsets, per_seq = _lengths(batch.column("tokens"))
-    completion = _completion_lengths(batch.column("masks"), per_seq)
+    """ExportGroups of one stored record batch (GROUP_SCHEMA columns, projected).
+
+    Without `tokens`/`masks` columns (nothing needs lengths or token text),
+    lengths are reported as 0 and the group carries no tokens.
+    """
+    has_tokens = "tokens" in batch.schema.names
+    if has_tokens:
+        offsets, per_seq = _lengths(batch.column("tokens"))
+        completion = _completion_lengths(batch.column("masks"), per_seq)
+    else:
+        per_group = pc.list_value_length(batch.column("scores")).to_numpy(zero_copy_only=False)
+        offsets = np.concatenate([[0], np.cumsum(per_group)])
+        per_seq = completion = np.zeros(int(offsets[-1]), dtype=np.int64)
     per_seq_list, completion_list = per_seq.tolist(), completion.tolist()
     columns = {name: batch.column(name) for name in ("group_id", "run_id", "env", "item_key")}
     ids, runs, envs, keys = (columns[name].to_pylist() for name in ("group_id", "run_id", "env", "item_key"))
     scores = batch.column("scores").to_pylist()
     messages = batch.column("messages").to_pylist()
-    tokens, masks = batch.column("tokens"), batch.column("masks")
+    tokens, masks = (batch.column("tokens"), batch.column("masks")) if has_tokens else (None, None)
     for row in range(batch.num_rows):
         start, end = int(offsets[row]), int(offsets[row + 1])
         yield ExportGroup(
@@ -111,12 +121,17 @@ def groups_from_batch(batch: pa.RecordBatch) -> Iterator[ExportGroup]:
             seq_lens=per_seq_list[start:end],
             completion_lens=completion_list[start:end],
             _messages_json=messages[row],
-            _arrow_row=(tokens, masks, row),
+            _arrow_row=(tokens, masks, row) if has_tokens else None,
         )
 
 
-def iter_store_groups(config: SourceConfig) -> Iterator[ExportGroup]:
-    """Stream the chosen runs' groups in commit order, one Arrow batch at a time."""
+def iter_store_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iterator[ExportGroup]:
+    """Stream the chosen runs' groups in commit order, one Arrow batch at a time.
+
+    `need_tokens=False` skips reading the token and mask columns (the bulk of
+    a shard) when no length limit or token decoding needs them.
+    """
+    columns = _META_COLUMNS + (["tokens", "masks"] if need_tokens else [])
     store = ShardStore(config.store)
     runs = config.runs or store.runs()
     if not runs:
@@ -127,7 +142,7 @@ def iter_store_groups(config: SourceConfig) -> Iterator[ExportGroup]:
         raise SourceError(f"run(s) {missing} not found in store {store.root}; runs there: {sorted(known) or 'none'}")
     envs = pa.array(config.envs, pa.string()) if config.envs else None
     for run in runs:
-        for batch in store.iter_batches(run, columns=_STORE_COLUMNS, batch_size=config.batch_groups):
+        for batch in store.iter_batches(run, columns=columns, batch_size=config.batch_groups):
             if envs is not None:
                 batch = batch.filter(pc.is_in(batch.column("env").cast(pa.string()), value_set=envs))
                 if batch.num_rows == 0:
@@ -215,5 +230,5 @@ def _call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> Any:
         return response.text
 
 
-def iter_groups(config: SourceConfig) -> Iterator[ExportGroup]:
-    return iter_api_groups(config) if config.api_url else iter_store_groups(config)
+def iter_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iterator[ExportGroup]:
+    return iter_api_groups(config) if config.api_url else iter_store_groups(config, need_tokens=need_tokens)

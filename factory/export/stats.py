@@ -33,6 +33,12 @@ class ScoreHistogram:
         if len(self.counts) > _MAX_BUCKETS:
             self._widen()
 
+    def add_one(self, score: float) -> None:
+        self.counts[math.floor(score / self.step)] += 1
+        self.total += 1
+        if len(self.counts) > _MAX_BUCKETS:
+            self._widen()
+
     def _widen(self) -> None:
         while len(self.counts) > _MAX_BUCKETS:
             merged: Counter[int] = Counter()

@@ -10,7 +10,6 @@ place). A crash leaves the previous output as it was, plus a hidden temp.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -19,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -54,7 +54,7 @@ class _ShardFile:
         if self.parquet is not None:
             self.parquet.write_table(pa.Table.from_pylist(rows, schema=self.schema))
         else:
-            self.handle.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode())
+            self.handle.write(b"".join(orjson.dumps(row) + b"\n" for row in rows))
         self.rows += len(rows)
 
     def copy_from(self, source: Path) -> None:
