@@ -1,0 +1,70 @@
+"""An instant OpenAI-compatible chat server for the datagen benchmark: answers at once with varied tagged numbers.
+
+Each choice is `<answer>N</answer>` with N drawn from a few values around the
+right sum, so groups usually have differing scores (neither side drops them).
+Raw asyncio HTTP/1.1 with keep-alive: the server costs far less than either
+client, so the clients' own overhead is what the benchmark compares.
+
+    python -m bench.datagen.instant_server --port 31500
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+
+_NUMBERS = re.compile(r"(\d+)\+(\d+)")
+
+
+def chat_response(body: dict) -> dict:
+    text = body["messages"][-1]["content"]
+    found = _NUMBERS.search(text)
+    right = int(found.group(1)) + int(found.group(2)) if found else 4
+    n = int(body.get("n") or 1)
+    choices = [{"index": i, "message": {"role": "assistant", "content": f"<answer>{right + random.choice((0, 0, 1, -1))}</answer>"},
+                "finish_reason": "stop"} for i in range(n)]
+    return {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
+            "choices": choices, "usage": {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}}
+
+
+async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+            raw = await reader.readexactly(int(headers.get("content-length", 0)))
+            if path.endswith("/chat/completions") and method == "POST":
+                status, payload = 200, chat_response(json.loads(raw))
+            elif path in ("/health", "/v1/models", "/models"):
+                status, payload = 200, {"object": "list", "data": [{"id": "m", "object": "model"}]}
+            else:
+                status, payload = 404, {"error": f"no route {path}"}
+            data = json.dumps(payload).encode()
+            writer.write(f"HTTP/1.1 {status} {'OK' if status == 200 else 'Not Found'}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionResetError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
+async def serve(port: int) -> None:
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    asyncio.run(serve(parser.parse_args().port))
+
+
+if __name__ == "__main__":
+    main()
