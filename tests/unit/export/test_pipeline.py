@@ -142,3 +142,22 @@ def test_stats_account_for_every_sequence(synthetic_store, tmp_path):
     assert sum(n for *_, n in stats.scores_out.bins()) == stats.rows_out
     text = stats.markdown()
     assert "| not_positive_score |" in text and "Score histogram" in text
+
+
+def test_groups_without_messages_export_as_decoded_text_from_the_store(tmp_path, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    store = ShardStore(tmp_path / "store")
+    store.commit("run-1", "w", 0, [scored([1.0, 0.0], index=i, messages=False) for i in range(4)])
+    output = OutputConfig(path=str(tmp_path / "sft.jsonl"), style="text", tokenizer=str(tiny_tokenizer_dir),
+                          prompt_completion=True)
+    # Every group decodes to the same text here, so dedup is off to see all four.
+    stats = export_sft(SftExportConfig(source=SourceConfig(store=str(store.root)), select=SelectionConfig(dedup=False),
+                                       output=output))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    rows = datasets.load_dataset("json", data_files=output.path, split="train")
+    assert stats.rows_out == 4 and stats.groups_in == 4
+    assert rows[0]["prompt"] == tokenizer.decode([1, 2]) and rows[0]["completion"] == tokenizer.decode([10] * 4)
+    conversational = export_sft(SftExportConfig(source=SourceConfig(store=str(store.root)),
+                                                output=OutputConfig(path=str(tmp_path / "c.jsonl"))))
+    assert conversational.rows_out == 0 and conversational.dropped["unrenderable"] == 4
