@@ -17,7 +17,15 @@ import random
 from pydantic import Field, field_validator
 
 from environments.base import BaseEnv, EnvConfig, Item
-from environments.bootcamp_tasks import FAMILIES, Case, RandomTask, RewardConfig, get_family
+from environments.bootcamp_tasks import (
+    FAMILIES,
+    MAX_DIFFICULTY,
+    MIN_DIFFICULTY,
+    Case,
+    RandomTask,
+    RewardConfig,
+    get_family,
+)
 
 
 class InternBootcampConfig(EnvConfig):
@@ -35,6 +43,21 @@ class InternBootcampConfig(EnvConfig):
     def _known_task(cls, value: str) -> str:
         if value != "RandomTask" and value not in FAMILIES:
             raise ValueError(f"unknown task {value!r}; use 'RandomTask' or one of: {', '.join(sorted(FAMILIES))}")
+        return value
+
+    @field_validator("difficulties")
+    @classmethod
+    def _levels(cls, value: list[int]) -> list[int]:
+        if not value or any(not MIN_DIFFICULTY <= level <= MAX_DIFFICULTY for level in value):
+            raise ValueError(f"difficulties {value} must be a non-empty list of levels {MIN_DIFFICULTY}..{MAX_DIFFICULTY}")
+        return value
+
+    @field_validator("weights")
+    @classmethod
+    def _known_weights(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        unknown = sorted(set(value or {}) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"weights name unknown families {unknown}; known: {', '.join(sorted(FAMILIES))}")
         return value
 
 
