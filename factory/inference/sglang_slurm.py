@@ -191,13 +191,18 @@ class SGLangCluster:
         raise TimeoutError(f"SLURM job {job_id} ({name}) not healthy within {self.spec.health_timeout_s:.0f} s; "
                            f"see {self.run_dir / (name + '.log')} or raise health_timeout_s")
 
-    def stop(self) -> None:
-        if self.job_ids:
-            try:
-                _slurm("scancel", *self.job_ids)
-                logger.info("cancelled SLURM jobs %s", ", ".join(self.job_ids))
-            except RuntimeError as error:
-                logger.warning("could not cancel SLURM jobs %s: %s", self.job_ids, error)
+    def stop(self, wait_s: float = 60.0) -> None:
+        """Cancel every job and wait (up to `wait_s`) until they have left the queue, so the ports are free."""
+        if not self.job_ids:
+            return
+        try:
+            _slurm("scancel", *self.job_ids)
+            logger.info("cancelled SLURM jobs %s", ", ".join(self.job_ids))
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and any(job_state(j) is not None for j in self.job_ids):
+                time.sleep(0.5)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            logger.warning("could not cancel SLURM jobs %s: %s", self.job_ids, error)
         self.job_ids = []
 
     def __enter__(self) -> list[str]:
