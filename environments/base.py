@@ -106,6 +106,9 @@ class BaseEnv:
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
+    scoring: ClassVar[str] = "process"
+    """Default score mode: "process" (scorer processes, per-item timeout) or "inline" for verifiers that are
+    cheap and cannot run away (the datagen flow's `datagen.score_mode: auto` follows this)."""
 
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else self.config_cls()

@@ -64,6 +64,7 @@ class InternBootcampConfig(EnvConfig):
 class InternBootcampEnv(BaseEnv):
     name = "intern_bootcamp"
     config_cls = InternBootcampConfig
+    scoring = "inline"  # regex + comparisons: microseconds, bounded; scorer processes would only add IPC
     config: InternBootcampConfig
 
     def __init__(self, config: InternBootcampConfig | None = None) -> None:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections import Counter, deque
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.utilities.annotations import quote
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec
@@ -33,6 +35,7 @@ from flows.datagen_runtime import Backpressure, make_task_runner
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
 from tasks.score import score_task
+from tasks.scoring_pool import ScorerPool
 from tasks.shards import write_shard_task
 
 ENVIRONMENTS = {
@@ -52,7 +55,8 @@ class DatagenSettings(FactoryConfig):
     chunks_in_flight: int = Field(2, ge=1, description="Chunks in the pipeline at once (generation overlaps scoring).")
     max_in_flight: int = Field(64, ge=1, description="Items sampled concurrently within a chunk.")
     sampling_api: SamplingApi = Field("auto", description="generate (token in/out), chat, or auto (by openai.server_type).")
-    score_mode: Literal["process", "inline"] = Field("process", description="Score in scorer processes (timeout) or inline.")
+    score_mode: Literal["auto", "process", "inline"] = Field(
+        "auto", description="Score in scorer processes (per-item timeout) or inline; auto: the env's `scoring`.")
     score_workers: int = Field(2, ge=1, description="Scorer processes per flow process.")
     score_timeout_s: float = Field(10.0, gt=0, description="Seconds one item's completions may take to score.")
     task_runner: Literal["thread", "dask", "slurm"] = Field("thread", description="Where chunk tasks run.")
@@ -174,6 +178,10 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         progress=100.0 * done / n_chunks, key=f"{d.run_id}-progress".lower().replace("_", "-"),
         description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id}",
     )
+    score_mode = spec.env_class().scoring if d.score_mode == "auto" else d.score_mode
+    if score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
+        # Start the scorer processes now, while the first chunk is generating.
+        threading.Thread(target=ScorerPool.get, args=(d.score_workers,), daemon=True).start()
     backpressure = Backpressure(cfg.serve, cfg.env.group_size) if cfg.serve.api_url else None
     generation_params = cfg.env.model_dump(include={"temperature", "top_p", "max_tokens"})
     session: Counter[str] = Counter()
@@ -188,7 +196,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
         stats = {**grouped.stats(), "chunk": chunk}
         store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
-        write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped.groups).result()
+        write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, quote(grouped.groups)).result()
         done += 1
         session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
                         "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})
@@ -204,7 +212,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         generated = generate_task.submit(spec, indices, cfg.openai, tokenizer_name=cfg.env.tokenizer_name,
                                          api=d.sampling_api, max_in_flight=d.max_in_flight)
         scored = score_task.submit(spec, generated, timeout_s=d.score_timeout_s, workers=d.score_workers,
-                                   mode=d.score_mode)
+                                   mode=score_mode)
         grouped = group_task.submit(env_name, scored, group_size=cfg.env.group_size,
                                     max_token_length=cfg.env.max_token_length,
                                     ensure_scores_are_not_same=cfg.env.ensure_scores_are_not_same,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import task
@@ -27,18 +26,21 @@ logger = logging.getLogger(__name__)
 DROP_REASONS = ("failed", "wrong_size", "too_long", "equal_scores")
 
 
-@dataclass
 class GroupedChunk:
-    """The kept groups of a chunk and what was dropped, with the counts the summary needs."""
+    """The kept groups of a chunk and what was dropped, with the counts the summary needs.
 
-    groups: list[ScoredGroup]
-    dropped: Counter[str] = field(default_factory=Counter)
-    rollouts: int = 0
-    completion_tokens: int = 0
-    score_sum: float = 0.0
-    scored: int = 0
-    generate_s: float = 0.0
-    generate_started_at: float = 0.0
+    A plain class, not a dataclass, so Prefect does not walk every token when it is passed between tasks.
+    """
+
+    def __init__(self, groups: list[ScoredGroup]) -> None:
+        self.groups = groups
+        self.dropped: Counter[str] = Counter()
+        self.rollouts = 0
+        self.completion_tokens = 0
+        self.score_sum = 0.0
+        self.scored = 0
+        self.generate_s = 0.0
+        self.generate_started_at = 0.0
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -13,11 +13,8 @@ thread (for cheap scorers, no timeout).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
-import signal
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -25,75 +22,11 @@ from typing import Any, Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from environments.base import EnvSpec, Item, Rollout, load_env
+from environments.base import EnvSpec, Item, Rollout
 from tasks.generate import GeneratedChunk
+from tasks.scoring_pool import ScorerPool, score_item
 
 logger = logging.getLogger(__name__)
-
-
-class _ScoreTimeout(Exception):
-    pass
-
-
-def _on_alarm(signum: int, frame: Any) -> None:
-    raise _ScoreTimeout()
-
-
-def score_item(spec: EnvSpec, item: Item, texts: Sequence[str], timeout_s: float | None) -> list[float | str]:
-    """Scores for one item's completions; a string in place of a score is the error that happened."""
-    env = load_env(spec, setup=False)
-    use_alarm = timeout_s is not None and threading.current_thread() is threading.main_thread()
-    if use_alarm:
-        signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    results: list[float | str] = []
-    try:
-        for text in texts:
-            try:
-                results.append(float(env.score(item, text)))
-            except _ScoreTimeout:
-                raise
-            except Exception as error:  # a bad completion must not take the chunk down
-                results.append(f"score_error: {type(error).__name__}: {error}"[:300])
-    except _ScoreTimeout:
-        results += ["score_timeout"] * (len(texts) - len(results))
-    finally:
-        if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    return results
-
-
-class ScorerPool:
-    """A process pool shared by every chunk scored in this process (forkserver: safe beside threads)."""
-
-    _lock = threading.Lock()
-    _pools: dict[int, Any] = {}
-
-    @classmethod
-    def get(cls, workers: int) -> Any:
-        with cls._lock:
-            pool = cls._pools.get(workers)
-            if pool is None:
-                context = multiprocessing.get_context("forkserver")
-                pool = cls._pools[workers] = context.Pool(workers)
-            return pool
-
-    @classmethod
-    def discard(cls, workers: int) -> None:
-        with cls._lock:
-            pool = cls._pools.pop(workers, None)
-        if pool is not None:
-            pool.terminate()
-
-    @classmethod
-    def close_all(cls) -> None:
-        with cls._lock:
-            pools, cls._pools = list(cls._pools.values()), {}
-        for pool in pools:
-            pool.terminate()
-
-
-atexit.register(ScorerPool.close_all)
 
 
 def _apply(rollouts: Sequence[Rollout], results: Sequence[float | str]) -> None:

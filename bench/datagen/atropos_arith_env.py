@@ -10,7 +10,6 @@ import random
 import re
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>")
 
@@ -37,12 +36,20 @@ class ArithEnv(BaseEnv):
         for choice in completion.choices:
             conversation = [message, {"role": "assistant", "content": choice.message.content}]
             found = ANSWER.findall(choice.message.content)
-            tokens = tokenize_for_trainer(self.tokenizer, conversation)
-            group["tokens"].append(tokens["tokens"])
-            group["masks"].append(tokens["masks"])
+            tokens, masks = self._tokenize(conversation)
+            group["tokens"].append(tokens)
+            group["masks"].append(masks)
             group["scores"].append(1.0 if found and found[-1].strip() == str(answer) else -0.5)
             group["messages"].append(conversation)
         return group, []
+
+    def _tokenize(self, conversation):
+        # atroposlib 0.4.0's tokenize_for_trainer breaks on transformers 5 (apply_chat_template returns a
+        # BatchEncoding); the same work by hand: template, encode, mask the prompt.
+        prompt = self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation[:1], tokenize=False,
+                                                                          add_generation_prompt=True))
+        full = self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation, tokenize=False))
+        return full, [-100] * len(prompt) + full[len(prompt):]
 
     async def score(self, rollout_group_data):
         return rollout_group_data

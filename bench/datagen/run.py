@@ -1,6 +1,6 @@
 """Datagen throughput: the factory's flow vs the raw client limit vs Atropos's `process` mode, then end to end on CPU.
 
-    python -m bench.datagen.run --groups 400 --group-size 8
+    ATROPOS_VENV=/opt/atropos-venv python -m bench.datagen.run --groups 2000 --group-size 8
 
 1. Against an instant OpenAI-compatible server (bench/datagen/instant_server.py),
    the same calls three ways: a plain `AsyncOpenAI` loop (one chat call with
@@ -138,7 +138,7 @@ def end_to_end(groups: int, group_size: int, store: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=400)
+    parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--e2e-groups", type=int, default=64)
     parser.add_argument("--skip-atropos", action="store_true")
@@ -161,7 +161,8 @@ def main() -> None:
         tokenizer = tiny_policy()
         raw = asyncio.run(raw_loop(base_url, args.groups, args.group_size))
         flow_rate, summary = factory_flow(base_url, args.groups, args.group_size, tokenizer, work / "store")
-        inline_rate, _ = factory_flow(base_url, args.groups, args.group_size, tokenizer, work / "store", score_mode="inline")
+        process_rate, process_summary = factory_flow(base_url, args.groups, args.group_size, tokenizer, work / "store",
+                                                     score_mode="process")
         atropos = None if args.skip_atropos else atropos_process(base_url, args.groups, args.group_size, tokenizer, work)
         e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
     finally:
@@ -172,9 +173,10 @@ def main() -> None:
     print(f"\n## datagen throughput, {args.groups} groups of {args.group_size}, instant OpenAI-compatible server")
     print(f"{'path':58} {'groups/s':>9} {'vs raw':>7}")
     rows = [("plain AsyncOpenAI loop (raw limit, 64 in flight)", raw),
-            ("factory flow, wall incl. Prefect start (process scoring)", flow_rate),
-            ("factory flow, wall incl. Prefect start (inline scoring)", inline_rate),
-            ("factory flow, pipeline only (summary session rate)", summary["session_groups_per_s"] or 0.0)]
+            ("factory flow, whole flow call (default: inline scoring)", flow_rate),
+            ("factory flow, pipeline only (summary's session rate)", summary["session_groups_per_s"] or 0.0),
+            ("factory flow, whole call, scorer processes (incl. start)", process_rate),
+            ("factory flow, pipeline only, scorer processes", process_summary["session_groups_per_s"] or 0.0)]
     if atropos is not None:
         rows.append(("Atropos 0.4.0 process mode (start-up subtracted)", atropos))
     for name, rate in rows:
