@@ -69,7 +69,7 @@ def train(model, tokenizer, *, steps: int, batch_size: int, lr: float, seed: int
     model.train()
     start = time.monotonic()
     for step in range(steps):
-        cases = sample_cases(rng, batch_size, (1, 1, 2))
+        cases = sample_cases(rng, batch_size, (1,) * 9 + (2,))
         ids, labels, mask = make_batch([encode_example(tokenizer, c) for c in cases], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -101,13 +101,14 @@ def evaluate(model_dir: Path, *, per_family: int, seed: int) -> dict[str, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models/starter-policy", help="output model directory")
-    parser.add_argument("--steps", type=int, default=1500, help="SFT steps")
+    parser.add_argument("--steps", type=int, default=800, help="SFT steps")
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=160)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--eval-per-family", type=int, default=100)
+    parser.add_argument("--corpus-cases", type=int, default=20_000, help="cases the tokenizer is trained on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more than 1 is much slower on a busy machine)")
     args = parser.parse_args()
@@ -118,7 +119,7 @@ def main() -> None:
 
     corpus_rng = random.Random(args.seed + 1)
     corpus = []
-    for case in sample_cases(corpus_rng, 20_000, (1, 2, 3)):
+    for case in sample_cases(corpus_rng, args.corpus_cases, (1, 2, 3)):
         corpus += [case.prompt, FAMILIES[case.family].reference_completion(case)]
     tokenizer = build_tokenizer(corpus, vocab_size=args.vocab_size)
     model = init_model(tokenizer, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,

@@ -19,7 +19,7 @@ import httpx
 import openai
 
 from factory.inference.client import InferenceClient, InferenceConfig
-from factory.inference.local_server import _free_port
+from factory.inference.local_server import free_port
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "factory.inference.fault_server", "--port", str(port)],
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     base_url = f"http://127.0.0.1:{port}"

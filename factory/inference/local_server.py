@@ -84,6 +84,7 @@ class ServerHandle:
     port: int
     host: str = "127.0.0.1"
     log_path: Path | None = None
+    remove_log: bool = False
 
     @property
     def base_url(self) -> str:
@@ -98,9 +99,11 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.remove_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -109,18 +112,24 @@ def _free_port() -> int:
 def launch_local_server(model_path: str | Path, port: int | None = None, *, wait_s: float = 120,
                         extra_args: list[str] | None = None, log_path: str | Path | None = None) -> ServerHandle:
     """Start the server as a subprocess on `port` (a free one if None) and wait for /health."""
-    port = port or _free_port()
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "factory.inference.local_server", "--model", str(model_path), "--port", str(port),
            *(extra_args or [])]
-    log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="policy-server-", suffix=".log")[1])
+    temporary_log = log_path is None
+    if temporary_log:
+        fd, name = tempfile.mkstemp(prefix="policy-server-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    handle = ServerHandle(process, port, log_path=log_path)
+    handle = ServerHandle(process, port, log_path=log_path, remove_log=temporary_log)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             err = log_path.read_text(errors="replace")[-2000:]
+            handle.stop()
             raise RuntimeError(f"local policy server for {model_path} exited with code {process.returncode}: {err}")
         try:
             if httpx.get(f"{handle.base_url}/health", timeout=1).status_code == 200:

@@ -28,7 +28,10 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 320):
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits one by one (as Qwen2 does): numbers keep a regular structure a tiny model can learn arithmetic on.
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
