@@ -1,7 +1,8 @@
 """SFT export rows/s: the factory's `atropos-sft-gen` (shard store) vs atroposlib's `atropos-sft-gen` (run-api).
 
     ATROPOS_VENV=/opt/atropos-venv python bench/export/bench_export.py --groups 1024
-    python bench/export/bench_export.py --memory 50000,500000      # peak RSS of exports of two sizes
+    python bench/export/bench_export.py --memory 100000,1000000    # peak RSS of exports of two sizes
+    BENCH_DEDUP=0 python bench/export/bench_export.py --memory ...  # the same without the dedup set
 
 Both sides get the same synthetic groups (8 sequences each) and the same rules
 (top 3 per group, positive scores, message lists). Atropos's CLI reads them
@@ -140,7 +141,8 @@ def _rss_child(store: str, out: str) -> None:
 
     from factory.export import OutputConfig, SelectionConfig, SftExportConfig, SourceConfig, export_sft
 
-    stats = export_sft(SftExportConfig(source=SourceConfig(store=store), select=SelectionConfig(),
+    dedup = os.environ.get("BENCH_DEDUP", "1") != "0"
+    stats = export_sft(SftExportConfig(source=SourceConfig(store=store), select=SelectionConfig(dedup=dedup),
                                        output=OutputConfig(path=out)))
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"groups": stats.groups_in, "rows": stats.rows_out, "seconds": stats.seconds, "peak_mb": peak_mb}))

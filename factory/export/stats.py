@@ -77,7 +77,10 @@ class DedupSet:
             return False
         self.recent.add(value)
         if len(self.recent) >= self.flush_at:
-            self.sorted = np.union1d(self.sorted, np.fromiter(self.recent, dtype=np.int64, count=len(self.recent)))
+            new = np.fromiter(self.recent, dtype=np.int64, count=len(self.recent))
+            new.sort()
+            # np.insert makes one new array; union1d would make about four (peak memory).
+            self.sorted = np.insert(self.sorted, np.searchsorted(self.sorted, new), new)
             self.recent.clear()
         return True
 
