@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,9 +170,10 @@ class PolicyEngine:
 class BatchingEngine:
     """Runs a PolicyEngine on one worker thread; concurrent submissions share a batch."""
 
-    def __init__(self, engine: PolicyEngine, *, max_batch_rows: int = 64) -> None:
+    def __init__(self, engine: PolicyEngine, *, max_batch_rows: int = 64, batch_wait_s: float = 0.005) -> None:
         self.engine = engine
         self.max_batch_rows = max_batch_rows
+        self.batch_wait_s = batch_wait_s  # after an idle spell, wait this long for concurrent arrivals to join
         self.batches = 0
         self.rows = 0
         self._queue: queue.Queue[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop] | None] = queue.Queue()
@@ -207,9 +209,10 @@ class BatchingEngine:
                 continue
             batch = [first]
             rows = len(payload)
+            deadline = time.monotonic() + self.batch_wait_s
             while rows < self.max_batch_rows:
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if item is None or item[0] != "generate" or rows + len(item[1]) > self.max_batch_rows:

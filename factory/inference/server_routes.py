@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from factory.inference.engine import BatchingEngine, GenRequest, GenResult
@@ -151,7 +152,7 @@ def register_routes(app: FastAPI, state: dict[str, Any], served_model_name: str)
                 "weight_version": str(version), "num_paused_requests": 0}
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> Any:
+    async def generate(body: GenerateBody) -> JSONResponse:
         no_stream(body.stream)
         if (body.text is None) == (body.input_ids is None):
             raise HTTPException(400, "give exactly one of the fields 'text' or 'input_ids'")
@@ -177,7 +178,8 @@ def register_routes(app: FastAPI, state: dict[str, Any], served_model_name: str)
             if body.return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)]
             items.append({"text": res.text, "output_ids": res.output_ids, "meta_info": meta})
-        return items if batch or sp.n > 1 else items[0]
+        # JSONResponse directly: FastAPI's jsonable_encoder walk over long logprob lists costs more than the JSON.
+        return JSONResponse(items if batch or sp.n > 1 else items[0])
 
     def openai_envelope(kind: str, prompt: list[int], results: list[GenResult], choices: list[dict]) -> dict:
         completion = sum(len(r.output_ids) for r in results)
@@ -188,7 +190,7 @@ def register_routes(app: FastAPI, state: dict[str, Any], served_model_name: str)
                           "total_tokens": len(prompt) + completion}}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody) -> dict:
+    async def chat(body: ChatBody) -> JSONResponse:
         no_stream(body.stream)
         messages = [m.model_dump() for m in body.messages]
         text = tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -206,10 +208,10 @@ def register_routes(app: FastAPI, state: dict[str, Any], served_model_name: str)
                     {"token": tokenizer().convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
                     for t, lp in zip(res.output_ids, res.logprobs)]}
             choices.append(choice)
-        return openai_envelope("chat.completion", prompt, results, choices)
+        return JSONResponse(openai_envelope("chat.completion", prompt, results, choices))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> dict:
+    async def completions(body: CompletionBody) -> JSONResponse:
         no_stream(body.stream)
         if body.echo:
             raise HTTPException(400, "field 'echo': echo is not supported by the local server; set echo=false")
@@ -226,4 +228,4 @@ def register_routes(app: FastAPI, state: dict[str, Any], served_model_name: str)
                             "token_logprobs": res.logprobs, "top_logprobs": None, "text_offset": None}
             choices.append({"index": index, "text": res.text, "finish_reason": res.finish_reason,
                             "logprobs": logprobs, "token_ids": res.output_ids})
-        return openai_envelope("text_completion", prompt, results, choices)
+        return JSONResponse(openai_envelope("text_completion", prompt, results, choices))
