@@ -187,7 +187,7 @@ class SGLangCluster:
                         return url
                 except httpx.HTTPError:
                     pass
-            time.sleep(2)
+            time.sleep(1)
         raise TimeoutError(f"SLURM job {job_id} ({name}) not healthy within {self.spec.health_timeout_s:.0f} s; "
                            f"see {self.run_dir / (name + '.log')} or raise health_timeout_s")
 
