@@ -26,6 +26,7 @@ import httpx
 from pydantic import Field, field_validator
 
 from factory.config import FactoryConfig
+from factory.inference.http_pool import ShardedHttp
 from factory.inference.endpoints import Endpoint, EndpointPool, NoEndpointAvailable, endpoint_root
 from factory.inference.parse import parse_chat, parse_completions, parse_generate, weight_version_of
 from factory.inference.types import Completion, SamplingParams
@@ -91,7 +92,7 @@ class InferenceClient:
     def __init__(self, config: InferenceConfig | None = None, **overrides: Any) -> None:
         self.config = config or InferenceConfig(**overrides)
         cfg = self.config
-        self._http = _ShardedHttp(cfg.num_max_requests_at_once * len(cfg.urls),
+        self._http = ShardedHttp(cfg.num_max_requests_at_once * len(cfg.urls),
                                   timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 10.0)),
                                   headers={"Authorization": f"Bearer {cfg.api_key}"})
         health = "/health" if cfg.server_type == "sglang" else "/v1/models"
@@ -285,40 +286,6 @@ class InferenceClient:
         if version is not None:
             ep.policy_version = version
         return version
-
-
-class _ShardedHttp:
-    """Several small httpx pools instead of one big one.
-
-    Measured here: one httpx.AsyncClient with 32 requests in flight managed
-    ~65 calls/s against an instant server, 8 clients of 4 connections ~350.
-    Each request takes the shard with the fewest in flight.
-    """
-
-    PER_SHARD = 8
-
-    def __init__(self, connections: int, **kwargs: Any) -> None:
-        count = max(1, -(-connections // self.PER_SHARD))
-        limits = httpx.Limits(max_connections=self.PER_SHARD + 2, max_keepalive_connections=self.PER_SHARD + 2)
-        self.shards = [httpx.AsyncClient(limits=limits, **kwargs) for _ in range(count)]
-        self.load = [0] * count
-
-    async def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        index = min(range(len(self.shards)), key=self.load.__getitem__)
-        self.load[index] += 1
-        try:
-            return await self.shards[index].request(method, url, **kwargs)
-        finally:
-            self.load[index] -= 1
-
-    async def get(self, url: str, **kwargs: Any) -> httpx.Response:
-        return await self._call("GET", url, **kwargs)
-
-    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
-        return await self._call("POST", url, **kwargs)
-
-    async def aclose(self) -> None:
-        await asyncio.gather(*(shard.aclose() for shard in self.shards))
 
 
 def _reseed(sampling: SamplingParams, offset: int) -> SamplingParams:
