@@ -121,16 +121,19 @@ def test_n_is_split_and_topped_up_for_servers_that_cap_it() -> None:
 
 
 def test_aborted_generations_are_retried_and_rollouts_carry_the_weight_version(servers: list[FaultServer]) -> None:
-    server = servers[0]
+    server, other = servers
 
     async def go():
-        async with _client(server) as client:
+        async with _client(server, other) as client:
             before = await client.generate(PROMPT)
             await client.update_weights_from_disk("/ckpt/step-3", 3)
-            server.inject("abort")  # an in-flight request aborted by the update is retried
+            server.inject("abort")  # a request aborted by the update is retried
+            other.inject("abort")
             after = await client.generate(PROMPT)
             return before, after, client.policy_version
 
     before, after, version = run(go())
+    assert server.weight_version == other.weight_version == 3  # every endpoint was updated
     assert before[0].policy_version == 0 and after[0].policy_version == 3 and version == 3
-    assert after[0].finish_reason != "abort" and server.hits["/generate"] == 3
+    assert after[0].finish_reason != "abort"
+    assert len(server.faults) + len(other.faults) < 2  # at least one abort was answered, then retried

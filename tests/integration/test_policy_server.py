@@ -81,6 +81,22 @@ def test_openai_sdk_chat_and_completions_with_n_stop_and_logprobs(server: Server
     assert len(comp.choices[0].logprobs.token_logprobs) >= 1
 
 
+def test_client_chat_keeps_the_servers_token_ids_and_logprobs(server: ServerHandle, policy_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    async def go():
+        async with InferenceClient(InferenceConfig(base_url=server.base_url + "/v1")) as client:
+            return await client.chat([{"role": "user", "content": "What is 2 + 3?"}], n=2,
+                                     sampling=SamplingParams(max_tokens=8, stop=["9"]))
+
+    completions = asyncio.run(go())
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    for c in completions:
+        assert c.prompt_token_ids and c.output_token_ids and "9" not in c.text
+        expected = forward_logprobs(model, c.prompt_token_ids, c.output_token_ids)
+        assert max(abs(a - b) for a, b in zip(expected, c.output_logprobs)) < 1e-3
+
+
 def test_concurrent_requests_share_batches(server: ServerHandle) -> None:
     before = httpx.get(server.base_url + "/get_model_info").json()
 
