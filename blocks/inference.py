@@ -18,7 +18,7 @@ class InferenceEndpointsBlock(Block):
     base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000/v1"],
                                  description="Endpoint URLs (SGLang servers, a router, or OpenAI-compatible APIs).")
     model_name: str = Field("default", description="Model name sent in OpenAI-compatible requests.")
-    server_type: Literal["sglang", "openai"] = Field("sglang", description="sglang: native /generate and weight updates.")
+    server_type: Literal["sglang", "openai", "vllm"] = Field("sglang", description="sglang: native /generate and weight updates.")
     api_key: SecretStr = Field(SecretStr("x"), description="Bearer token for the endpoints.")
     num_max_requests_at_once: int = Field(64, ge=1, description="Most requests in flight per endpoint.")
 

@@ -40,8 +40,8 @@ class InferenceConfig(FactoryConfig):
     base_url: str | list[str] = Field("http://127.0.0.1:30000/v1", description="One endpoint URL or a list of them.")
     model_name: str = Field("default", description="Model name sent in OpenAI-compatible requests.")
     api_key: str = Field("x", description="Bearer token sent to every endpoint.")
-    server_type: Literal["sglang", "openai"] = Field(
-        "sglang", description="sglang: native /generate (token in/out), /health, weight updates; openai: /v1 only.")
+    server_type: Literal["sglang", "openai", "vllm"] = Field(
+        "sglang", description="sglang: native /generate (token in/out), /health, weight updates; openai/vllm: /v1 only.")
     timeout: float = Field(120.0, gt=0, description="Seconds one HTTP request may take before it is retried.")
     num_max_requests_at_once: int = Field(64, ge=1, description="Most requests in flight per endpoint.")
     max_retries: int = Field(4, ge=0, description="Retries per request after the first attempt.")
@@ -53,6 +53,12 @@ class InferenceConfig(FactoryConfig):
     request_logprobs: bool = Field(True, description="Ask chat/completions endpoints for per-token logprobs.")
     health_check_on_start: bool = Field(True, description="Probe every endpoint when the client opens.")
     weight_update_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for all endpoints to load weights.")
+    # Atropos's APIServerConfig names, so an Atropos `openai:` section loads unchanged.
+    n_kwarg_is_ignored: bool = Field(False, description="The server ignores n: send n requests of one (Atropos name).")
+    health_check: bool = Field(True, description="Probe endpoint health at all; False trusts every endpoint (Atropos name).")
+    num_requests_for_eval: int = Field(64, ge=1, description="Accepted for Atropos configs; evaluation concurrency.")
+    rolling_buffer_length: int = Field(1000, ge=1, description="Accepted for Atropos configs; not used here.")
+    tokenizer_name: str = Field("none", description="Accepted for Atropos configs; the env's tokenizer_name is used.")
 
     @field_validator("base_url")
     @classmethod
@@ -102,7 +108,7 @@ class InferenceClient:
         self.policy_version = 0
 
     async def __aenter__(self) -> InferenceClient:
-        if self.config.health_check_on_start:
+        if self.config.health_check and self.config.health_check_on_start:
             await self.pool.check_all()
         if self.config.server_type == "sglang":
             await asyncio.gather(*(self._read_version(ep) for ep in self.pool.endpoints if ep.healthy))
@@ -124,7 +130,7 @@ class InferenceClient:
         sampling = sampling or SamplingParams()
         if not input_ids:
             raise ValueError("input_ids is empty; give the prompt's token ids")
-        if self.config.server_type == "openai":
+        if self.config.server_type != "sglang":
             return await self._split_n(n, sampling, lambda k, s: self._completions_request(list(input_ids), k, s))
 
         async def one(k: int, s: SamplingParams) -> list[Completion]:
@@ -166,7 +172,7 @@ class InferenceClient:
         """Ask for n completions in chunks of at most max_n_per_request; top up servers that return fewer."""
         if n < 1:
             raise ValueError(f"n={n}: ask for at least one completion")
-        cap = self.config.max_n_per_request or n
+        cap = 1 if self.config.n_kwarg_is_ignored else self.config.max_n_per_request or n
         sizes = [min(cap, n - start) for start in range(0, n, cap)]
         offsets = [start for start in range(0, n, cap)]
         chunks = await asyncio.gather(*(one(k, _reseed(sampling, off)) for k, off in zip(sizes, offsets)))
@@ -197,7 +203,7 @@ class InferenceClient:
                 return await self._attempt(ep, path, body, parse)
             except _Retryable as failure:
                 last_failure = str(failure)
-                self.pool.failed(ep, last_failure, eject=failure.eject)
+                self.pool.failed(ep, last_failure, eject=failure.eject and cfg.health_check)
                 if attempt + 1 < attempts:
                     logger.info("retrying %s (attempt %d/%d) after %s", path, attempt + 2, attempts, last_failure)
                     await self._backoff(attempt, failure.retry_after)

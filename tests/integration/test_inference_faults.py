@@ -114,10 +114,13 @@ def test_n_is_split_and_topped_up_for_servers_that_cap_it() -> None:
             async with _client(server, max_n_per_request=3) as client:
                 chat = await client.chat([{"role": "user", "content": "hi"}], n=5)
                 gen = await client.generate(PROMPT, n=4)
-                return chat, gen
+            async with _client(server, server_type="vllm", n_kwarg_is_ignored=True) as client:
+                ignored = await client.generate(PROMPT, n=3)  # /v1/completions with a token prompt, n=1 each
+            return chat, gen, ignored
 
-        chat, gen = run(go())
-    assert len(chat) == 5 and len(gen) == 4
+        chat, gen, ignored = run(go())
+    assert len(chat) == 5 and len(gen) == 4 and len(ignored) == 3
+    assert server.hits["/v1/completions"] == 3 and all(c.output_logprobs == [-0.5] * 4 for c in ignored)
 
 
 def test_aborted_generations_are_retried_and_rollouts_carry_the_weight_version(servers: list[FaultServer]) -> None:

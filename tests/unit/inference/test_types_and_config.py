@@ -35,6 +35,15 @@ def test_inference_config_from_cli_overrides_with_many_endpoints() -> None:
         build_config(InferenceConfig, values={"server_type": "vllm-ish"})
 
 
+def test_an_atropos_openai_section_loads_unchanged() -> None:
+    atropos = {"model_name": "Qwen/Qwen3-1.7B", "base_url": "http://localhost:9001/v1", "api_key": "x",
+               "num_requests_for_eval": 256, "server_type": "vllm", "timeout": 1200, "num_max_requests_at_once": 512,
+               "rolling_buffer_length": 1000, "n_kwarg_is_ignored": True, "health_check": False,
+               "tokenizer_name": "none"}
+    cfg = build_config(InferenceConfig, values=atropos)
+    assert cfg.server_type == "vllm" and cfg.n_kwarg_is_ignored and not cfg.health_check
+
+
 def test_endpoint_root_strips_v1() -> None:
     assert endpoint_root("http://h:1/v1/") == "http://h:1"
     assert endpoint_root("http://h:1") == "http://h:1"
