@@ -60,9 +60,9 @@ CONF
 }
 
 down() {
-  for daemon in slurmd slurmctld; do
-    pid=$(pgrep -x "$daemon" || true)
-    [ -n "$pid" ] && kill "$pid"
+  # The pid files named in the slurm.conf written by `up`.
+  for pidfile in /run/slurmd.pid /run/slurmctld.pid; do
+    [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
   done
   echo "slurm stopped"
 }
