@@ -97,6 +97,18 @@ def test_client_chat_keeps_the_servers_token_ids_and_logprobs(server: ServerHand
         assert max(abs(a - b) for a, b in zip(expected, c.output_logprobs)) < 1e-3
 
 
+def test_generate_takes_text_and_batches_like_sglang(server: ServerHandle) -> None:
+    single = httpx.post(server.base_url + "/generate", json={"text": "What is", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0}}).json()
+    assert isinstance(single, dict) and single["meta_info"]["prompt_tokens"] >= 1
+    assert single["meta_info"]["finish_reason"]["type"] in ("stop", "length") and "output_token_logprobs" not in \
+        single["meta_info"]
+    batch = httpx.post(server.base_url + "/generate", json={"input_ids": [[1, 2], [3, 4, 5]], "return_logprob": True,
+                                                            "sampling_params": {"max_new_tokens": 3, "n": 2}}).json()
+    assert [item["meta_info"]["prompt_tokens"] for item in batch] == [2, 2, 3, 3]
+    assert all(len(i["meta_info"]["output_token_logprobs"]) == len(i["output_ids"]) for i in batch)
+
+
 def test_concurrent_requests_share_batches(server: ServerHandle) -> None:
     before = httpx.get(server.base_url + "/get_model_info").json()
 
