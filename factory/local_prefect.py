@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         stack.up(worker=not args.no_worker)
         print(f"Prefect is up at {stack.api_url} (UI: http://127.0.0.1:{stack.port}); work pool '{stack.pool}'.")
-        print(f"Point a shell at it with: eval \"$(factory-local env)\"")
+        print("Point a shell at it with: eval \"$(factory-local env)\"")
     elif args.command == "down":
         stack.down()
         print("Prefect stack stopped.")

@@ -17,7 +17,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE

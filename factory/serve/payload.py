@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq

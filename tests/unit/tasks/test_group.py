@@ -9,7 +9,7 @@ from tasks.group import build_group, group_chunk
 ITEM = Item(key="arithmetic:1:7", messages=[{"role": "user", "content": "Compute 1+1."}], answer="2")
 
 
-def rollout(score: float | None, out: list[int] = [7, 8], *, error: str | None = None, version: int = 3) -> Rollout:
+def rollout(score: float | None, out: tuple[int, ...] = (7, 8), *, error: str | None = None, version: int = 3) -> Rollout:
     return Rollout(ITEM.key, f"text{score}", [1, 2, 3], list(out), [-0.5] * len(out), "stop", version, score=score,
                    error=error)
 
