@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.utilities.annotations import quote
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec
@@ -196,7 +195,9 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
         stats = {**grouped.stats(), "chunk": chunk}
         store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
-        write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, quote(grouped.groups)).result()
+        # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
+        # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
+        write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped).result()
         done += 1
         session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
                         "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})

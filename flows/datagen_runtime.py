@@ -11,13 +11,18 @@ groups) times group_size reaches `max_batches_offpolicy` x batch_size
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 logger = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the flow runs from (holds environments/, tasks/, flows/, factory/)."""
 
 
 def _thread(d: Any) -> Any:
@@ -27,8 +32,15 @@ def _thread(d: Any) -> Any:
 
 
 def _dask(d: Any) -> Any:
+    import dask
     from prefect_dask import DaskTaskRunner
 
+    # Spawned workers do not inherit the flow's sys.path: without this they import whichever copy of the project
+    # is pip-installed, not the flow's code (seen: every shard write failing ScoredGroup validation).
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
     return DaskTaskRunner(cluster_kwargs={"n_workers": d.dask_workers, "threads_per_worker": d.dask_threads_per_worker,
                                           "processes": True, "dashboard_address": None})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prefect import task
@@ -41,6 +41,13 @@ class GroupedChunk:
         self.scored = 0
         self.generate_s = 0.0
         self.generate_started_at = 0.0
+
+    def __iter__(self) -> Iterator[ScoredGroup]:
+        """The kept groups, so the chunk itself goes to the shard writer (ShardStore.commit takes an iterable)."""
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
 
     def stats(self) -> dict[str, Any]:
         return {
