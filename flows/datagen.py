@@ -185,10 +185,10 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     generation_params = cfg.env.model_dump(include={"temperature", "top_p", "max_tokens"})
     session: Counter[str] = Counter()
     started = time.perf_counter()
-    in_flight: deque[tuple[int, Any]] = deque()
+    in_flight: deque[tuple[int, Any, int]] = deque()
     intervals: list[tuple[float, float]] = []
 
-    def finish(chunk: int, grouped_future: Any) -> None:
+    def finish(chunk: int, grouped_future: Any, items: int) -> None:
         nonlocal done
         grouped = grouped_future.result()
         generate_s = grouped.generate_s
@@ -199,6 +199,8 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
         write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped).result()
         done += 1
+        if backpressure is not None:
+            backpressure.committed += len(grouped.groups)
         session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
                         "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})
         update_progress_artifact(progress_id, 100.0 * done / n_chunks)
@@ -207,9 +209,13 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     for chunk in todo:
         while len(in_flight) >= d.chunks_in_flight:
             finish(*in_flight.popleft())
-        if backpressure is not None:
-            session["paused_ms"] += round(backpressure.wait(logger) * 1000)
         indices = range(chunk * d.chunk_items, min((chunk + 1) * d.chunk_items, cfg.env.total_items))
+        if backpressure is not None:
+            # Chunks in flight count against the limit; commit them before pausing so the trainer can have them.
+            if in_flight and backpressure.would_wait(sum(items for _, _, items in in_flight)):
+                while in_flight:
+                    finish(*in_flight.popleft())
+            session["paused_ms"] += round(backpressure.wait(logger) * 1000)
         generated = generate_task.submit(spec, indices, cfg.openai, tokenizer_name=cfg.env.tokenizer_name,
                                          api=d.sampling_api, max_in_flight=d.max_in_flight)
         scored = score_task.submit(spec, generated, timeout_s=d.score_timeout_s, workers=d.score_workers,
@@ -218,7 +224,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
                                     max_token_length=cfg.env.max_token_length,
                                     ensure_scores_are_not_same=cfg.env.ensure_scores_are_not_same,
                                     run_id=d.run_id, seed=cfg.env.seed, generation_params=generation_params)
-        in_flight.append((chunk, grouped))
+        in_flight.append((chunk, grouped, len(indices)))
     while in_flight:
         finish(*in_flight.popleft())
 

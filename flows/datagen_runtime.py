@@ -71,7 +71,13 @@ def make_task_runner(d: Any) -> Any:
 
 
 class Backpressure:
-    """Asks the batching API how far the trainer is behind and waits until it catches up."""
+    """Asks the batching API how far the trainer is behind and waits until it catches up.
+
+    Like Atropos's env, the flow counts its own work the queue does not show yet: items in chunks still in
+    flight, and groups it committed that the API has not indexed (it follows the store every
+    `follow_interval_s`). Indexed groups are read from our API's /status (queue_size + served_groups +
+    skipped); against an API without those keys only the in-flight items are added.
+    """
 
     def __init__(self, serve: Any, group_size: int, *, timeout: float = 10.0) -> None:
         self.api_url = serve.api_url.rstrip("/")
@@ -80,6 +86,10 @@ class Backpressure:
         self.poll_s = serve.poll_s
         self.group_size = group_size
         self.http = httpx.Client(timeout=timeout)
+        self.committed = 0
+        """Groups this flow committed since it started."""
+        self._indexed_base: int | None = None
+        self._indexed_last = 0
 
     def _get(self, path: str) -> dict[str, Any]:
         response = self.http.get(f"{self.api_url}{path}")
@@ -95,13 +105,34 @@ class Backpressure:
             self.batch_size = batch_size
         return self.max_batches * self.batch_size
 
-    def behind(self) -> bool:
+    def unseen(self, status: dict[str, Any]) -> int:
+        """Groups this flow committed that the API has not indexed yet (0 if its /status cannot tell)."""
+        if "served_groups" not in status:
+            return 0
+        indexed = sum(int(status.get(key, 0)) for key in ("queue_size", "served_groups", "skipped_stale", "skipped_oversize"))
+        if self._indexed_base is None:
+            self._indexed_base = indexed - self.committed
+        elif indexed < self._indexed_last:  # /reset_data started a new epoch of served counts
+            self._indexed_base -= self._indexed_last - indexed
+        self._indexed_last = indexed
+        return max(0, self.committed - (indexed - self._indexed_base))
+
+    def behind(self, in_flight_items: int = 0) -> bool:
         if self.max_batches <= 0:
             return False
         limit = self.limit()
         if limit is None:
             return True  # Atropos waits for the trainer to register before producing
-        return int(self._get("/status").get("queue_size", 0)) * self.group_size >= limit
+        status = self._get("/status")
+        pending = int(status.get("queue_size", 0)) + self.unseen(status) + in_flight_items
+        return pending * self.group_size >= limit
+
+    def would_wait(self, in_flight_items: int) -> bool:
+        """Whether the next chunk has to wait (also when the API does not answer)."""
+        try:
+            return self.behind(in_flight_items)
+        except (httpx.HTTPError, ValueError):
+            return True
 
     def wait(self, log: Any = logger) -> float:
         """Block while the trainer is behind; returns the seconds paused. API outages are retried, not fatal."""
