@@ -10,7 +10,8 @@ at most the chunks in flight and never duplicates a group. Chunks run on the
 thread pool by default, or on a Dask LocalCluster / SLURM cluster chosen by
 `datagen.task_runner` (or a block named in `datagen.task_runner_block`), with
 no code change. In `serve` mode the flow pauses before each chunk while the
-batching service's queue holds `max_batches_offpolicy` batches or more.
+batching service's queue plus its own chunks in flight (or committed but not
+yet indexed by the API) hold `max_batches_offpolicy` batches or more.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Task runners are picked by name (`thread`, `dask`, `slurm`) or by a Prefect
 block with a `task_runner()` method, so a laptop and a cluster differ in
 config only. Backpressure follows Atropos's `max_batches_offpolicy`: before
 each chunk, pause while the batching API's queue (GET /status `queue_size`, in
-groups) times group_size reaches `max_batches_offpolicy` x batch_size
-(batch_size from GET /info unless configured).
+groups), plus the flow's groups in flight or not yet indexed, times group_size
+reaches `max_batches_offpolicy` x batch_size (batch_size from GET /info unless
+configured).
 """
 
 from __future__ import annotations
