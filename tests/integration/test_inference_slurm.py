@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,28 @@ def _jobs_named(prefix: str) -> list[str]:
     return [name for name in out if name.startswith(prefix)]
 
 
+def free_port_run(count: int = 2) -> int:
+    """A port p with p..p+count-1 all free: replica i listens on port + i (a free_port() + 1 was taken once in CI)."""
+    for _ in range(50):
+        base = free_port()
+        sockets = []
+        try:
+            for offset in range(count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"found no {count} consecutive free ports")
+
+
 def _spec(model: Path, **overrides) -> SGLangLaunchSpec:
     return SGLangLaunchSpec(
-        model_path=str(model), host="127.0.0.1", port=free_port(), time_limit="00:10:00", health_timeout_s=120,
+        model_path=str(model), host="127.0.0.1", port=free_port_run(), time_limit="00:10:00", health_timeout_s=120,
         gpus_per_node=0,  # the CPU stand-in needs no GPU (this node has none)
         launch_command=f"{sys.executable} -m factory.inference.local_server --model {{model_path}} --host {{host}} "
                        "--port {port}",
