@@ -33,7 +33,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-
 from pydantic import ValidationError
 
 from environments.groups import ScoredGroup, describe_validation_error
@@ -93,7 +92,8 @@ def _check_name(kind: str, value: str) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -211,7 +211,7 @@ class ShardStore:
                 if not replace and (existing := self.committed(run_id).get(name)) is not None:
                     return CommitRecord(**{**asdict(existing), "skipped": True})
                 os.replace(tmp, shards / name)
-                _fsync_dir(shards)
+                fsync_path(shards)
                 with open(self.commit_log(run_id), "a", encoding="utf-8") as log:
                     log.write(record.to_json() + "\n")
                     log.flush()

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.export.config import OutputConfig
+from factory.store import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,6 @@ _FLUSH_ROWS = 2048
 
 class OutputExistsError(FileExistsError):
     """The output path exists and neither overwrite nor append was asked for."""
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _ShardFile:
@@ -161,16 +154,16 @@ class DatasetWriter:
         self._closed = True
         if self.output.single_file:
             os.replace(self.temp, self.final)
-            _fsync(self.final.parent)
+            fsync_path(self.final.parent)
             return [self.final]
-        _fsync(self.temp)
+        fsync_path(self.temp)
         if self.output.append and self.final.exists():
             published = []
             for shard in self._files:
                 target = self.final / shard.path.name
                 os.replace(shard.path, target)
                 published.append(target)
-            _fsync(self.final)
+            fsync_path(self.final)
             self.temp.rmdir()
             return published
         old = None
@@ -178,7 +171,7 @@ class DatasetWriter:
             old = self.final.parent / f".{self.final.name}.{uuid.uuid4().hex[:12]}.old"
             os.replace(self.final, old)
         os.replace(self.temp, self.final)
-        _fsync(self.final.parent)
+        fsync_path(self.final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return [self.final / shard.path.name for shard in self._files]
