@@ -125,3 +125,21 @@ def _checkpoint(cfg: TrainJobConfig, trainer: GRPOTrainer) -> dict[str, Any]:
     if cfg.push.endpoints:
         push_s = push_weights(cfg.push.endpoints, path, trainer.step, timeout_s=cfg.push.timeout_s)
     return {"checkpoint": str(path), "save_s": save_s, "push_s": push_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m factory.train.loop --config deployments/train_grpo.yaml --train.total_steps 10`: the loop without
+    Prefect (the `train-grpo` flow wraps the same function)."""
+    import json
+    import sys
+
+    from factory.config import build_config, split_config_path
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    yaml_path, overrides = split_config_path(list(sys.argv[1:] if argv is None else argv))
+    summary = run_training(build_config(TrainJobConfig, yaml_path=yaml_path, cli_args=overrides))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
