@@ -65,11 +65,21 @@ class Comparison:
 
     @property
     def metrics(self) -> list[str]:
-        return list(self.values[self.baseline])
+        """Every metric any side measured, the baseline's first."""
+        seen = dict.fromkeys(self.values[self.baseline])
+        for side in self.sides:
+            seen.update(dict.fromkeys(self.values[side]))
+        return list(seen)
 
     def ratios(self, side: str, metric: str) -> list[float]:
-        """Per-round ratios side/baseline (rounds where the baseline measured 0 are skipped)."""
-        pairs = zip(self.values[side][metric], self.values[self.baseline][metric])
+        """Per-round ratios side/baseline (rounds where the baseline measured 0 are skipped).
+
+        A metric the baseline did not measure is compared with the baseline's first
+        metric (e.g. "groups/s, pipeline only" against the raw loop's "groups/s").
+        """
+        base_values = self.values[self.baseline]
+        base_metric = metric if metric in base_values else next(iter(base_values))
+        pairs = zip(self.values[side][metric], base_values[base_metric])
         return [value / base for value, base in pairs if base]
 
     def median_ratio(self, side: str, metric: str) -> float:

@@ -104,3 +104,13 @@ def test_print_comparison_shows_command_and_load(capsys):
     out = capsys.readouterr().out
     assert "| only | value | 3.00 | 1.00x | 1.00-1.00x | 2 |" in out
     assert "Command: `" in out and "load1 " in out
+
+
+def test_a_metric_the_baseline_lacks_is_compared_with_the_baselines_first_metric():
+    result = compare("demo", [Side("raw", lambda: 100.0),
+                              Side("flow", lambda: {"groups/s": 50.0, "groups/s, pipeline only": 80.0})],
+                     metric="groups/s")
+    assert result.metrics == ["groups/s", "groups/s, pipeline only"]
+    assert result.median_ratio("flow", "groups/s, pipeline only") == 0.8
+    assert [row[:2] for row in harness.comparison_rows(result)] == [
+        ["raw", "groups/s"], ["flow", "groups/s"], ["flow", "groups/s, pipeline only"]]
