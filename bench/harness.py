@@ -20,11 +20,15 @@ Typical bench:
     print_comparison(result)                   # markdown table + command + load
 
 Benches without sides use `measure` (repeats of one callable, same JSON lines).
+Benches that run flows use `prefect_server` (reuses PREFECT_API_URL's server
+or starts one, and drains Prefect's log/event queues before it stops, so the
+bench's process exits with its table).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -32,7 +36,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,3 +251,59 @@ def print_comparison(result: Comparison, title: str = "", json_out: Path | None 
     print(f"Machine: {load_summary(result)}; interleaved rounds, ratios taken within each round")
     if json_out is not None:
         print(f"JSON lines: {json_out}")
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path) -> Iterator[dict[str, str]]:
+    """A Prefect API for a bench's flows: the one PREFECT_API_URL names if it answers, else a fresh one under `home`.
+
+    A server the bench starts is stopped on exit, after Prefect's queued logs and
+    events are shipped (drain_prefect_workers), so no process outlives the bench.
+    A server named by PREFECT_API_URL outlives the bench (the CI smoke test runs
+    every bench against one); its queues are drained on exit all the same.
+    """
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        import httpx
+
+        try:
+            if httpx.get(f"{url.rstrip('/')}/health", timeout=2).status_code == 200:
+                try:
+                    yield {"PREFECT_API_URL": url}
+                finally:
+                    drain_prefect_workers()
+                return
+        except httpx.HTTPError:
+            pass
+    from factory.inference.local_server import free_port
+    from factory.local_prefect import LocalPrefect
+
+    stack = LocalPrefect(home=home, port=free_port())
+    stack.up(worker=False)
+    saved = {key: os.environ.get(key) for key in stack.environ()}
+    os.environ.update(stack.environ())
+    try:
+        yield stack.environ()
+    finally:
+        drain_prefect_workers()
+        stack.down()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def drain_prefect_workers(timeout: float = 10) -> None:
+    """Ship Prefect's queued logs and events while its server is still up; call it just before stopping the server.
+
+    Otherwise the bench's process outlives its table by a minute or two, its
+    APILogWorker / EventsWorker retrying against a server that is gone.
+    """
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
