@@ -230,6 +230,10 @@ class ShardStore:
                 handle, GROUP_SCHEMA, compression="zstd", write_page_checksum=True
             )
             try:
+                if isinstance(groups, (pa.RecordBatch, pa.Table)):
+                    # Rows already in GROUP_SCHEMA (the batching API's ingest path builds them directly).
+                    writer.write(groups, row_group_size=row_group_groups)
+                    groups, rows = (), groups.num_rows
                 for index, group in enumerate(groups):
                     if not isinstance(group, ScoredGroup):
                         try:

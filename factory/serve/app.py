@@ -1,7 +1,8 @@
 """Atropos's batching API (same paths, bodies, responses and status codes) over `BatchService`.
 
 Hot paths (/scored_data, /scored_data_list, /batch) read and write raw bytes:
-bodies are parsed with orjson and validated as `ScoredGroup`, responses are
+bodies are decoded by `wire.py` (msgspec, straight to Arrow rows; loose as
+Atropos is, deduplicated only by group_id / Idempotency-Key), responses are
 built by `payload.py` without FastAPI's generic encoder. Bad input gets a 4xx
 naming the field; FastAPI's own models give its usual 422 detail list.
 """
@@ -24,6 +25,7 @@ from factory.serve.config import ServeConfig
 from factory.serve.http import RequestGuard, accepts_gzip, json_response
 from factory.serve.payload import PayloadError
 from factory.serve.service import BatchService
+from factory.serve.wire import WireError, decode_groups
 
 logger = logging.getLogger(__name__)
 
@@ -187,27 +189,33 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         example = await service.latest_example()
         return respond(request, raw=example) if isinstance(example, bytes) else respond(request, example)
 
-    async def ingest(request: Request, many: bool) -> Response | list[ScoredGroup]:
-        parsed = await asyncio.to_thread(parse_groups, await request.body(), many=many)
-        if isinstance(parsed, Response):
-            return parsed
+    async def ingest(request: Request, many: bool) -> Response | int:
+        body = await request.body()
+        key = request.headers.get("idempotency-key") or None
+        try:
+            parsed = await asyncio.to_thread(decode_groups, body, many=many, strict=config.strict, idempotency_key=key)
+        except WireError as error:
+            return _unprocessable(error.detail)
         batch_size = service.info()["batch_size"]
-        for index, group in enumerate(parsed):
-            if batch_size > 0 and group.group_size > batch_size:
+        for index, group in enumerate(parsed.groups):
+            if batch_size > 0 and len(group.tokens) > batch_size:
                 loc = ["body", index, "tokens"] if many else ["body", "tokens"]
                 return _unprocessable(
-                    [{"type": "too_long", "loc": loc, "msg": f"group has {group.group_size} sequences but batch_size is {batch_size}"}]
+                    [{"type": "too_long", "loc": loc, "msg": f"group has {len(group.tokens)} sequences but batch_size is {batch_size}"}]
                 )
         try:
-            await service.ingest(parsed)
+            await service.ingest_wire(parsed)
+        except WireError as error:
+            return _unprocessable(error.detail)
         except ValueError as error:
             return _unprocessable([{"type": "value_error", "loc": ["body"], "msg": str(error)}])
         except (OSError, RuntimeError) as error:
             logger.error("posted groups could not be committed: %s", error)
             return Response(
-                orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503, media_type="application/json"
+                orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503,
+                media_type="application/json", headers={"Retry-After": "1"},
             )
-        return parsed
+        return len(parsed.groups)
 
     @app.post("/scored_data")
     async def scored_data(request: Request) -> Response:
@@ -219,7 +227,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         result = await ingest(request, many=True)
         if isinstance(result, Response):
             return result
-        return respond(request, {"status": "received", "groups_processed": len(result)})
+        return respond(request, {"status": "received", "groups_processed": result})
 
     @app.get("/reset_data")
     async def reset_data() -> PlainTextResponse:

@@ -36,6 +36,10 @@ class ServeConfig(FactoryConfig):
     payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
     batch_metadata: bool = Field(False, description="Add group_id, env and policy_version to each group in /batch responses.")
+    strict: bool = Field(
+        False, description="Refuse (422, naming the field) posted groups whose masks/advantages/logprobs/messages/overrides "
+        "don't line up with tokens; by default they are stored as sent, as Atropos does, and counted in /status 'unaligned'.",
+    )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
 
     @field_validator("env_min_batch_allocation")

@@ -1,6 +1,6 @@
 """Group commit of POSTed groups: every request waits until its groups are in a committed shard.
 
-Requests put their validated groups on a pending list and wait; one writer
+Requests put their groups (rows of GROUP_SCHEMA) on a pending list and wait; one writer
 takes everything pending, commits it as a single shard (producer, next chunk)
 in a worker thread, and then wakes all those requests at once. While a commit
 is being written, new requests pile up for the next one, so ingest speed
@@ -14,7 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from environments.groups import ScoredGroup
+import pyarrow as pa
+
 from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Pending:
-    groups: list[ScoredGroup]
+    rows: pa.RecordBatch
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -34,7 +35,7 @@ class GroupCommitter:
         store: ShardStore,
         run_id: str,
         producer: str,
-        on_commit: Callable[[CommitRecord, list[ScoredGroup]], Awaitable[None] | None],
+        on_commit: Callable[[CommitRecord, pa.Table], Awaitable[None] | None],
         *,
         max_groups: int = 1024,
         row_group_groups: int = 16,
@@ -67,11 +68,11 @@ class GroupCommitter:
             pass
         self._task = None
 
-    async def submit(self, groups: list[ScoredGroup]) -> None:
-        """Return once `groups` are committed to a shard (raises if the commit failed)."""
+    async def submit(self, rows: pa.RecordBatch) -> None:
+        """Return once `rows` are committed to a shard (raises if the commit failed)."""
         if self._task is None or self._task.done():
             raise RuntimeError("the group committer is not running; start the service before posting groups")
-        pending = _Pending(groups)
+        pending = _Pending(rows)
         self._pending.append(pending)
         self._wake.set()
         await pending.done
@@ -82,18 +83,18 @@ class GroupCommitter:
             self._wake.clear()
             while self._pending:
                 take, count = [], 0
-                while self._pending and (not take or count + len(self._pending[0].groups) <= self.max_groups):
+                while self._pending and (not take or count + self._pending[0].rows.num_rows <= self.max_groups):
                     item = self._pending.pop(0)
                     take.append(item)
-                    count += len(item.groups)
-                groups = [group for item in take for group in item.groups]
+                    count += item.rows.num_rows
+                groups = pa.Table.from_batches([item.rows for item in take])
                 try:
                     record = await self._commit(groups)
                     result = self.on_commit(record, groups)
                     if asyncio.iscoroutine(result):
                         await result
                 except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
-                    logger.exception("commit of %d posted groups failed", len(groups))
+                    logger.exception("commit of %d posted groups failed", groups.num_rows)
                     for item in take:
                         if not item.done.done():
                             item.done.set_exception(error)
@@ -102,7 +103,7 @@ class GroupCommitter:
                     if not item.done.done():
                         item.done.set_result(None)
 
-    async def _commit(self, groups: list[ScoredGroup]) -> CommitRecord:
+    async def _commit(self, groups: pa.Table) -> CommitRecord:
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1

@@ -24,10 +24,11 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from environments.groups import ScoredGroup
@@ -37,7 +38,9 @@ from factory.serve.ingest import GroupCommitter
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
+from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, to_record_batch, unaligned_fields
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
+from factory.schema import groups_to_record_batch
 from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,7 @@ class BatchService:
         self._known: set[tuple[str, str]] = set()
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
+        self._inflight: dict[str, asyncio.Future[None]] = {}
         self._replay: deque[tuple[int, list[tuple[int, int]]]] = deque()
         self._prefetched: tuple[list[Entry], BatchBody] | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
@@ -87,6 +91,7 @@ class BatchService:
         self.envs: list[dict[str, Any]] = self.state.envs()
         self.skipped_stale = self.state.count_taken(SKIPPED_STALE)
         self.skipped_oversize = self.state.count_taken(SKIPPED_OVERSIZE)
+        self.unaligned: Counter[str] = Counter(self.state.get("unaligned", {}))
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
@@ -170,47 +175,118 @@ class BatchService:
             lane = self.queue.lane(("id", env_id) if env_id is not None else ("name", env))
             self.queue.add(source, row, size, lane, version)
 
-    def _on_commit(self, record: CommitRecord, groups: list[ScoredGroup]) -> None:
+    def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
         if (record.run_id, record.shard) in self._known:
             return
-        self.state.add_group_ids(group.group_id for group in groups)
+        columns = rows.select(["group_id", "group_size", "env", "env_id", "policy_version"]).to_pydict()
+        self.state.add_group_ids(columns["group_id"])
         source = self.state.add_source(record.run_id, record.shard, record.rows)
         self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
         self._known.add((record.run_id, record.shard))
-        for row, group in enumerate(groups):
-            key = ("id", group.env_id) if group.env_id is not None else ("name", group.env)
-            self.queue.add(source, row, group.group_size, self.queue.lane(key), group.policy_version)
+        for row, (size, env, env_id, version) in enumerate(
+            zip(columns["group_size"], columns["env"], columns["env_id"], columns["policy_version"])
+        ):
+            key = ("id", env_id) if env_id is not None else ("name", env)
+            self.queue.add(source, row, size, self.queue.lane(key), version)
         self._kick_prefetch()
 
-    async def ingest(self, groups: list[ScoredGroup]) -> int:
-        """Stamp posted groups with factory metadata and return once they are committed to a shard.
+    def _env_name(self, env_id: int | None) -> str:
+        env = self.envs[env_id] if env_id is not None and 0 <= env_id < len(self.envs) else None
+        return env["desired_name"] if env else "external"
 
-        Groups whose id was already ingested (a client retrying after a crash
-        or a timeout) are acknowledged without being stored again; returns how
-        many were new.
+    async def ingest(self, groups: list[ScoredGroup]) -> int:
+        """Stamp validated groups with factory metadata and return once they are committed to a shard.
+
+        Deduplicated by `group_id` only (ids already stored are acknowledged
+        without storing them again); returns how many were new.
         """
-        known = self.state.known_group_ids([group.group_id for group in groups])
-        fresh, seen = [], set()
+        fresh, future, mine = self._claim([group.group_id for group in groups])
+        groups = [group for group, new in zip(groups, fresh) if new is None]
         for group in groups:
-            if group.group_id in known or group.group_id in seen:
-                continue
-            seen.add(group.group_id)
-            fresh.append(group)
-        if len(fresh) < len(groups):
-            logger.info("%d posted groups were already stored; acknowledged without storing again", len(groups) - len(fresh))
-        groups = fresh
-        for group in groups:
-            env = self.envs[group.env_id] if group.env_id is not None and 0 <= group.env_id < len(self.envs) else None
             if not group.env:
-                group.env = env["desired_name"] if env else "external"
+                group.env = self._env_name(group.env_id)
             group.run_id = self.config.ingest_run
             if "policy_version" not in group.model_fields_set:
                 group.policy_version = self.step
-        if self.committer is None:
-            raise RuntimeError("the service is not started")
-        if groups:
-            await self.committer.submit(groups)
+        ids = [group.group_id for group in groups]
+        await self._submit(future, mine, lambda: groups_to_record_batch(groups) if groups else None, fresh)
         return len(groups)
+
+    async def ingest_wire(self, parsed: WireGroups) -> int:
+        """Store posted groups (decoded by `wire.decode_groups`) and return once they are committed.
+
+        Only groups with a client-given identity (group_id or Idempotency-Key)
+        can be recognised as already stored; the rest are always stored.
+        Returns how many were stored by this call.
+        """
+        claims, future, mine = self._claim([i if known else None for i, known in zip(parsed.ids, parsed.identified)])
+        keep = [index for index, claim in enumerate(claims) if claim is None]
+        groups = [parsed.groups[i] for i in keep]
+        ids = [parsed.ids[i] for i in keep]
+        envs = [g.env or self._env_name(g.env_id) for g in groups]
+        step = self.step
+        versions = [g.policy_version if g.policy_version is not None else step for g in groups]
+
+        def build() -> pa.RecordBatch | None:
+            if not groups:
+                return None
+            return to_record_batch(groups, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
+
+        await self._submit(future, mine, build, claims)
+        if groups and parsed.unaligned:
+            for i in keep:
+                for name in unaligned_fields(parsed.groups[i]):
+                    self.unaligned[name] += 1
+            self.state.put(unaligned=dict(self.unaligned))
+        return len(groups)
+
+    def _claim(self, ids: list[str | None]) -> tuple[list[Any], asyncio.Future[None], set[str]]:
+        """Claim ids for this request: per id None (this request stores it), True (already stored) or the
+        future of the in-flight commit that stores it; plus this request's future and claimed ids."""
+        named = [i for i in ids if i is not None]
+        known = self.state.known_group_ids(named) if named else set()
+        claims: list[asyncio.Future[None] | bool | None] = []
+        mine: set[str] = set()
+        for group_id in ids:
+            if group_id is None:
+                claims.append(None)
+            elif group_id in known or group_id in mine:
+                claims.append(True)
+            elif group_id in self._inflight:
+                claims.append(self._inflight[group_id])
+            else:
+                mine.add(group_id)
+                claims.append(None)
+        duplicates = sum(1 for c in claims if c is not None)
+        if duplicates:
+            logger.info("%d posted groups were already stored or in flight; acknowledged without storing again", duplicates)
+        future = asyncio.get_running_loop().create_future()
+        for group_id in mine:
+            self._inflight[group_id] = future
+        return claims, future, mine
+
+    async def _submit(self, future: asyncio.Future[None], mine: set[str], build: Any, claims: list[Any]) -> None:
+        """Build this request's rows (in a thread), commit them, then wait for in-flight commits of its duplicates."""
+        try:
+            if self.committer is None:
+                raise RuntimeError("the service is not started")
+            rows = await asyncio.to_thread(build)
+            if rows is not None:
+                await self.committer.submit(rows)
+            if not future.done():
+                future.set_result(None)
+        except BaseException as error:
+            if not future.done():
+                future.set_exception(error if isinstance(error, Exception) else RuntimeError("cancelled"))
+                future.exception()  # retrieved: other waiters re-raise it themselves
+            raise
+        finally:
+            for group_id in mine:
+                if self._inflight.get(group_id) is future:
+                    del self._inflight[group_id]
+        for other in claims:
+            if isinstance(other, asyncio.Future):
+                await asyncio.shield(other)
 
     # ---- trainer and env registration ----
     async def register(self, registration: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +362,8 @@ class BatchService:
             "served_groups": self.state.served_groups(),
             "skipped_stale": self.skipped_stale,
             "skipped_oversize": self.skipped_oversize,
+            # Groups stored with a field whose lengths don't line up with tokens (Atropos stores them as sent).
+            "unaligned": {name: self.unaligned.get(name, 0) for name in SEQUENCE_FIELDS},
         }
 
     def lane_policies(self) -> dict[int, LanePolicy]:
@@ -455,3 +533,4 @@ class BatchService:
             self.envs, self.requesters = [], []
             self._replay.clear()
             self.skipped_stale = self.skipped_oversize = 0
+            self.unaligned.clear()
