@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
@@ -109,6 +110,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
     app = FastAPI(title="rollout-factory batching API (Atropos-compatible)", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(RequestGuard, token=config.api_token, max_body_bytes=int(config.max_body_mb * (1 << 20)))
+    # Atropos's run-api answers browsers' CORS requests from any origin; outermost, so preflights need no token.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
 
     def respond(request: Request, data: Any = None, **kwargs: Any) -> Response:
         return json_response(request, data, gzip_level=config.gzip_level, gzip_min_bytes=config.gzip_min_bytes, **kwargs)
