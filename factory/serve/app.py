@@ -22,6 +22,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from environments.groups import ScoredGroup
+from factory.serve.backpressure import IngestBudget, Overloaded
 from factory.serve.config import ServeConfig
 from factory.serve.http import RequestGuard, accepts_gzip, json_response
 from factory.serve.payload import PayloadError
@@ -98,6 +99,11 @@ def parse_groups(body: bytes, *, many: bool) -> list[ScoredGroup] | Response:
 def create_app(config: ServeConfig, service: BatchService | None = None) -> FastAPI:
     """The FastAPI app; the service (made from `config` if not given) starts and stops with it."""
     service = service or BatchService(config)
+    budget = IngestBudget(
+        int(config.ingest_budget_mb * (1 << 20)), max_waiting_bytes=int(config.ingest_waiting_mb * (1 << 20)),
+        max_wait_s=config.ingest_wait_s,
+    )
+    service.ingest_budget = budget
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -194,11 +200,19 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
 
     async def ingest(request: Request, many: bool) -> Response | int:
         body = await request.body()
-        key = request.headers.get("idempotency-key") or None
+        try:
+            async with budget.reserve(len(body)):
+                return await store_groups(body, request.headers.get("idempotency-key") or None, many)
+        except Overloaded as error:
+            return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json",
+                            headers={"Retry-After": str(max(1, round(error.retry_after_s)))})
+
+    async def store_groups(body: bytes, key: str | None, many: bool) -> Response | int:
         try:
             parsed = await asyncio.to_thread(decode_groups, body, many=many, strict=config.strict, idempotency_key=key)
         except WireError as error:
             return _unprocessable(error.detail)
+        count = len(parsed.groups)
         batch_size = service.info()["batch_size"]
         for index, group in enumerate(parsed.groups):
             if batch_size > 0 and len(group.tokens) > batch_size:
@@ -218,7 +232,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
                 orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503,
                 media_type="application/json", headers={"Retry-After": "1"},
             )
-        return len(parsed.groups)
+        return count
 
     @app.post("/scored_data")
     async def scored_data(request: Request) -> Response:

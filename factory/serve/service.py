@@ -79,6 +79,7 @@ class BatchService:
         self._prefetch_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self.committer: GroupCommitter | None = None
+        self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
         self._load()
@@ -222,23 +223,26 @@ class BatchService:
         claims, future, mine = self._claim([i if known else None for i, known in zip(parsed.ids, parsed.identified)])
         keep = [index for index, claim in enumerate(claims) if claim is None]
         groups = [parsed.groups[i] for i in keep]
+        parsed.groups = []  # only `box` holds the decoded groups now: freed as soon as they are Arrow rows
         ids = [parsed.ids[i] for i in keep]
         envs = [g.env or self._env_name(g.env_id) for g in groups]
         step = self.step
         versions = [g.policy_version if g.policy_version is not None else step for g in groups]
+        unaligned = Counter(name for g in groups for name in unaligned_fields(g)) if parsed.unaligned else Counter()
+        box = [groups]
+        del groups
 
         def build() -> pa.RecordBatch | None:
-            if not groups:
+            decoded = box.pop()
+            if not decoded:
                 return None
-            return to_record_batch(groups, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
+            return to_record_batch(decoded, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
 
         await self._submit(future, mine, build, claims)
-        if groups and parsed.unaligned:
-            for i in keep:
-                for name in unaligned_fields(parsed.groups[i]):
-                    self.unaligned[name] += 1
+        if unaligned:
+            self.unaligned.update(unaligned)
             self.state.put(unaligned=dict(self.unaligned))
-        return len(groups)
+        return len(keep)
 
     def _claim(self, ids: list[str | None]) -> tuple[list[Any], asyncio.Future[None], set[str]]:
         """Claim ids for this request: per id None (this request stores it), True (already stored) or the
@@ -364,6 +368,7 @@ class BatchService:
             "skipped_oversize": self.skipped_oversize,
             # Groups stored with a field whose lengths don't line up with tokens (Atropos stores them as sent).
             "unaligned": {name: self.unaligned.get(name, 0) for name in SEQUENCE_FIELDS},
+            **({"ingest": self.ingest_budget.status()} if self.ingest_budget is not None else {}),
         }
 
     def lane_policies(self) -> dict[int, LanePolicy]:

@@ -18,7 +18,6 @@ a fresh id and is always stored, however similar to another it is.
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -207,8 +206,7 @@ def _list_2d(rows: list[list[list[Any]] | None], value_type: pa.DataType) -> pa.
     """list<list<value_type>> from per-group lists of sequences (None rows are null), via flat buffers."""
     present = [row if row is not None else [] for row in rows]
     sequences = [sequence for row in present for sequence in row]
-    values = pa.array(list(itertools.chain.from_iterable(sequences)), type=value_type)
-    inner = pa.ListArray.from_arrays(_offsets([len(s) for s in sequences]), values)
+    inner = pa.array(sequences, type=pa.list_(value_type))
     mask = pa.array([row is None for row in rows]) if any(row is None for row in rows) else None
     return pa.ListArray.from_arrays(_offsets([len(row) for row in present]), inner, mask=mask)
 
