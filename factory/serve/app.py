@@ -61,6 +61,37 @@ class EnvIdentifier(BaseModel):
     env_id: int
 
 
+class ScoredDataDoc(BaseModel):
+    """Atropos's ScoredData, for the OpenAPI schema only (bodies are decoded by wire.py, unknown keys ignored)."""
+
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    scores: list[float]
+    advantages: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    messages: list[list[dict[str, Any]]] | None = None
+    generation_params: dict[str, Any] | None = None
+    inference_logprobs: list[list[float]] | None = None
+    overrides: list[dict[str, Any]] | None = None
+    group_overrides: dict[str, Any] | None = None
+    images: Any | None = None
+    env_id: int | None = None
+    distill_token_ids: list[list[list[int]]] | None = None
+    distill_logprobs: list[list[list[float]]] | None = None
+    group_id: str | None = None
+
+
+def _body_doc(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "Client-given identity: a retried post with the same key is stored once."}],
+    }
+
+
+_GROUP_DOC = ScoredDataDoc.model_json_schema()
+
+
 def _detail(error: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any]]:
     return [
         {"type": e["type"], "loc": ["body", *prefix, *e["loc"]], "msg": e["msg"].removeprefix("Value error, ")}
@@ -234,12 +265,12 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
             )
         return count
 
-    @app.post("/scored_data")
+    @app.post("/scored_data", openapi_extra=_body_doc(_GROUP_DOC))
     async def scored_data(request: Request) -> Response:
         result = await ingest(request, many=False)
         return result if isinstance(result, Response) else respond(request, {"status": "received"})
 
-    @app.post("/scored_data_list")
+    @app.post("/scored_data_list", openapi_extra=_body_doc({"type": "array", "items": _GROUP_DOC}))
     async def scored_data_list(request: Request) -> Response:
         result = await ingest(request, many=True)
         if isinstance(result, Response):
