@@ -10,6 +10,8 @@ grows with concurrency instead of paying one fsync per group.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,37 @@ import pyarrow as pa
 from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
+
+_M_ARENA_MAX = -8
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def limit_allocator_growth() -> None:
+    """Few malloc arenas (decoding threads otherwise each keep their own high-water mark) and Arrow's
+    jemalloc giving pages back at once: the service's RSS follows what it holds, not what it once parsed."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_ARENA_MAX, 2)
+    try:
+        pa.jemalloc_set_decay_ms(0)
+    except (NotImplementedError, pa.ArrowNotImplementedError, AttributeError):
+        pass
+
+
+def return_free_memory() -> None:
+    """Give freed heap pages back to the OS (glibc), e.g. after a commit freed a batch of decoded groups."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 @dataclass
@@ -112,5 +145,7 @@ class GroupCommitter:
             )
             if not record.skipped:
                 self.commits += 1
+                if self.commits % 4 == 0:
+                    await asyncio.to_thread(return_free_memory)
                 return record
             logger.warning("chunk %d of %s/%s was already committed (another writer?); using the next", chunk, self.run_id, self.producer)

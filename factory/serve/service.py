@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
-from factory.serve.ingest import GroupCommitter
+from factory.serve.ingest import GroupCommitter, limit_allocator_growth
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
@@ -113,6 +113,7 @@ class BatchService:
         logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
 
     async def start(self) -> None:
+        limit_allocator_growth()
         self._add_shards(await asyncio.to_thread(self._scan))
         self.committer = GroupCommitter(
             self.store,
