@@ -18,6 +18,7 @@ a fresh id and is always stored, however similar to another it is.
 
 from __future__ import annotations
 
+import array
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -206,7 +207,15 @@ def _list_2d(rows: list[list[list[Any]] | None], value_type: pa.DataType) -> pa.
     """list<list<value_type>> from per-group lists of sequences (None rows are null), via flat buffers."""
     present = [row if row is not None else [] for row in rows]
     sequences = [sequence for row in present for sequence in row]
-    inner = pa.array(sequences, type=pa.list_(value_type))
+    if value_type == pa.int32():
+        # array.fromlist per sequence is ~2x faster than pyarrow's conversion of Python ints (and checks the range).
+        flat = array.array("i")
+        for sequence in sequences:
+            flat.fromlist(sequence)
+        values = pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat)])
+        inner = pa.ListArray.from_arrays(_offsets([len(s) for s in sequences]), values)
+    else:
+        inner = pa.array(sequences, type=pa.list_(value_type))
     mask = pa.array([row is None for row in rows]) if any(row is None for row in rows) else None
     return pa.ListArray.from_arrays(_offsets([len(row) for row in present]), inner, mask=mask)
 
@@ -219,7 +228,7 @@ def to_record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, env
     """Rows of GROUP_SCHEMA for decoded groups (env names and policy versions already resolved)."""
     try:
         return _record_batch(groups, ids, run_id=run_id, envs=envs, versions=versions)
-    except (pa.ArrowInvalid, OverflowError) as error:
+    except (pa.ArrowInvalid, OverflowError, TypeError) as error:
         return _raise([_problem("value_error", [], f"a numeric field is out of range for the store: {error}")])
 
 
