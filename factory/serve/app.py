@@ -240,16 +240,18 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
 
     async def store_groups(body: bytes, key: str | None, many: bool) -> Response | int:
         try:
-            parsed = await asyncio.to_thread(decode_groups, body, many=many, strict=config.strict, idempotency_key=key)
+            parsed = await asyncio.to_thread(
+                decode_groups, body, many=many, strict=config.strict, idempotency_key=key, build=True, run_id=config.ingest_run
+            )
         except WireError as error:
             return _unprocessable(error.detail)
-        count = len(parsed.groups)
+        count = len(parsed.sizes)
         batch_size = service.info()["batch_size"]
-        for index, group in enumerate(parsed.groups):
-            if batch_size > 0 and len(group.tokens) > batch_size:
+        for index, size in enumerate(parsed.sizes):
+            if batch_size > 0 and size > batch_size:
                 loc = ["body", index, "tokens"] if many else ["body", "tokens"]
                 return _unprocessable(
-                    [{"type": "too_long", "loc": loc, "msg": f"group has {len(group.tokens)} sequences but batch_size is {batch_size}"}]
+                    [{"type": "too_long", "loc": loc, "msg": f"group has {size} sequences but batch_size is {batch_size}"}]
                 )
         try:
             await service.ingest_wire(parsed)

@@ -23,6 +23,8 @@ from factory.store import CommitRecord, ShardStore
 logger = logging.getLogger(__name__)
 
 _M_ARENA_MAX = -8
+TRIM_EVERY_BYTES = 64 << 20
+"""Give freed heap back to the OS after about this many bytes of groups were committed."""
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -84,6 +86,7 @@ class GroupCommitter:
             (record.chunk for record in store.committed(run_id).values() if record.producer == producer), default=-1
         )
         self.commits = 0
+        self._since_trim = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="group-committer")
@@ -145,7 +148,9 @@ class GroupCommitter:
             )
             if not record.skipped:
                 self.commits += 1
-                if self.commits % 4 == 0:
+                self._since_trim += groups.nbytes
+                if self._since_trim >= TRIM_EVERY_BYTES:
+                    self._since_trim = 0
                     await asyncio.to_thread(return_free_memory)
                 return record
             logger.warning("chunk %d of %s/%s was already committed (another writer?); using the next", chunk, self.run_id, self.producer)

@@ -38,7 +38,7 @@ from factory.serve.ingest import GroupCommitter, limit_allocator_growth
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
-from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, to_record_batch, unaligned_fields
+from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, stamp, to_record_batch
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
 from factory.schema import groups_to_record_batch
 from factory.store import CommitRecord, ShardStore
@@ -223,21 +223,26 @@ class BatchService:
         """
         claims, future, mine = self._claim([i if known else None for i, known in zip(parsed.ids, parsed.identified)])
         keep = [index for index, claim in enumerate(claims) if claim is None]
-        groups = [parsed.groups[i] for i in keep]
-        parsed.groups = []  # only `box` holds the decoded groups now: freed as soon as they are Arrow rows
-        ids = [parsed.ids[i] for i in keep]
-        envs = [g.env or self._env_name(g.env_id) for g in groups]
+        envs = [parsed.envs[i] or self._env_name(parsed.env_ids[i]) for i in keep]
         step = self.step
-        versions = [g.policy_version if g.policy_version is not None else step for g in groups]
-        unaligned = Counter(name for g in groups for name in unaligned_fields(g)) if parsed.unaligned else Counter()
-        box = [groups]
-        del groups
+        versions = [parsed.versions[i] if parsed.versions[i] is not None else step for i in keep]
+        unaligned = Counter(name for i in keep for name in parsed.unaligned_by_group[i])
+        if parsed.rows is not None:
+            rows = parsed.rows
+            parsed.rows = None
 
-        def build() -> pa.RecordBatch | None:
-            decoded = box.pop()
-            if not decoded:
-                return None
-            return to_record_batch(decoded, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
+            def build() -> pa.RecordBatch | None:
+                return stamp(rows, keep, envs, versions) if keep else None
+        else:
+            box = [[parsed.groups[i] for i in keep]]
+            ids = [parsed.ids[i] for i in keep]
+            parsed.groups = []  # only `box` holds the decoded groups now: freed as soon as they are Arrow rows
+
+            def build() -> pa.RecordBatch | None:
+                decoded = box.pop()
+                if not decoded:
+                    return None
+                return to_record_batch(decoded, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
 
         await self._submit(future, mine, build, claims)
         if unaligned:

@@ -83,6 +83,15 @@ class WireGroups:
     ids: list[str]
     identified: list[bool]
     unaligned: Counter[str] = field(default_factory=Counter)
+    unaligned_by_group: list[list[str]] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    env_ids: list[int | None] = field(default_factory=list)
+    envs: list[str | None] = field(default_factory=list)
+    """Env names the client gave (None: the service names them from env_id)."""
+    versions: list[int | None] = field(default_factory=list)
+    """Policy versions the client gave (None: the service's current step)."""
+    rows: pa.RecordBatch | None = None
+    """With `build=True`: every group as GROUP_SCHEMA rows (env '' and version 0 where not given); `groups` is then empty."""
 
 
 def _problem(kind: str, loc: list[Any], msg: str) -> dict[str, Any]:
@@ -153,8 +162,14 @@ def unaligned_fields(group: WireGroup) -> list[str]:
     return found
 
 
-def decode_groups(body: bytes, *, many: bool, strict: bool = False, idempotency_key: str | None = None) -> WireGroups:
-    """Decode and check a /scored_data (one object) or /scored_data_list (a list) body; raises WireError."""
+def decode_groups(
+    body: bytes, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False, run_id: str = ""
+) -> WireGroups:
+    """Decode and check a /scored_data (one object) or /scored_data_list (a list) body; raises WireError.
+
+    With `build`, the groups are also turned into Arrow rows (`rows`) and the decoded Python lists are dropped,
+    all in the caller's thread (the API calls this in a worker thread).
+    """
     try:
         groups = _MANY.decode(body) if many else [_ONE.decode(body)]
     except msgspec.ValidationError as error:
@@ -164,7 +179,7 @@ def decode_groups(body: bytes, *, many: bool, strict: bool = False, idempotency_
         return _raise([_problem("json_invalid", [], f"body is not valid JSON: {error}")])
     problems: list[dict[str, Any]] = []
     unaligned: Counter[str] = Counter()
-    ids, identified = [], []
+    ids, identified, by_group = [], [], []
     for index, group in enumerate(groups):
         loc: list[Any] = [index] if many else []
         if not group.tokens:
@@ -175,7 +190,9 @@ def decode_groups(body: bytes, *, many: bool, strict: bool = False, idempotency_
             _check_json_fields(group, loc, problems)
         except orjson.JSONDecodeError as error:  # pragma: no cover - msgspec already checked the JSON
             problems.append(_problem("json_invalid", loc, str(error)))
-        for name in unaligned_fields(group):
+        misfits = unaligned_fields(group)
+        by_group.append(misfits)
+        for name in misfits:
             if strict:
                 problems.append(_problem("unaligned", [*loc, name], f"{name} does not line up with tokens (the service runs with strict)"))
             unaligned[name] += 1
@@ -190,7 +207,16 @@ def decode_groups(body: bytes, *, many: bool, strict: bool = False, idempotency_
             identified.append(False)
     if problems:
         _raise(problems)
-    return WireGroups(groups, ids, identified, unaligned)
+    parsed = WireGroups(
+        groups, ids, identified, unaligned, by_group,
+        sizes=[len(g.tokens) for g in groups], env_ids=[g.env_id for g in groups],
+        envs=[g.env or None for g in groups], versions=[g.policy_version for g in groups],
+    )
+    if build:
+        parsed.rows = to_record_batch(groups, ids, run_id=run_id, envs=[g.env or "" for g in groups],
+                                      versions=[g.policy_version or 0 for g in groups])
+        parsed.groups = []
+    return parsed
 
 
 def _raise(problems: list[dict[str, Any]]) -> Any:
@@ -254,3 +280,13 @@ def _record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs:
     for name in ("distill_token_ids", "distill_logprobs"):
         columns[name] = pa.array([getattr(g, name) for g in groups], GROUP_SCHEMA.field(name).type)
     return pa.RecordBatch.from_arrays([columns[f.name] for f in GROUP_SCHEMA], schema=GROUP_SCHEMA)
+
+
+def stamp(rows: pa.RecordBatch, keep: list[int], envs: list[str], versions: list[int]) -> pa.RecordBatch:
+    """Rows `keep` of `rows`, with the env names and policy versions the service resolved."""
+    if len(keep) != rows.num_rows:
+        rows = rows.take(pa.array(keep, pa.int64()))
+    columns = list(rows.columns)
+    columns[rows.schema.get_field_index("env")] = pa.array(envs, pa.string())
+    columns[rows.schema.get_field_index("policy_version")] = pa.array(versions, pa.int64())
+    return pa.RecordBatch.from_arrays(columns, schema=rows.schema)

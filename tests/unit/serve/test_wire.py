@@ -126,3 +126,21 @@ def test_service_stores_identical_groups_and_dedups_only_by_identity(tmp_path):
             await restarted.stop()
 
     asyncio.run(scenario())
+
+
+def test_prebuilt_rows_are_stamped_and_deduplicated(tmp_path):
+    async def scenario():
+        service = BatchService(ServeConfig(store_root=str(tmp_path), batch_metadata=True))
+        await service.start()
+        try:
+            body = orjson.dumps([group(group_id="a"), group(env="mine", policy_version=3), group(group_id="a")])
+            parsed = decode_groups(body, many=True, build=True, run_id="api")
+            assert parsed.groups == [] and parsed.rows.num_rows == 3 and parsed.sizes == [2, 2, 2]
+            assert await service.ingest_wire(parsed) == 2
+            table = service.store.dataset("api").to_table(columns=["group_id", "env", "policy_version", "run_id"]).to_pylist()
+            assert [(r["env"], r["policy_version"], r["run_id"]) for r in table] == [("external", 0, "api"), ("mine", 3, "api")]
+            assert table[0]["group_id"] == "a"
+        finally:
+            await service.stop()
+
+    asyncio.run(scenario())
