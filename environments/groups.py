@@ -14,6 +14,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MASK_IGNORE = -100
@@ -49,13 +50,23 @@ def make_group_id(env: str, item_key: str, seed: int | str, policy_version: int)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+def _joined(sequence: list[int]) -> bytes:
+    """",".join(map(str, sequence)).encode(), ~10x faster for lists of (64-bit) ints."""
+    if type(sequence) is list:
+        try:
+            return orjson.dumps(sequence)[1:-1]
+        except orjson.JSONEncodeError:  # ints beyond 64 bits
+            pass
+    return ",".join(map(str, sequence)).encode()
+
+
 def content_group_id(tokens: list[list[int]], scores: list[float], env_id: int | None) -> str:
     """Name a group by its content, for groups that arrive without factory metadata."""
     digest = hashlib.sha256()
     digest.update(repr(env_id).encode())
     for sequence in tokens:
         digest.update(len(sequence).to_bytes(4, "little"))
-        digest.update(",".join(map(str, sequence)).encode())
+        digest.update(_joined(sequence))
     digest.update(repr([float(s) for s in scores]).encode())
     return digest.hexdigest()[:32]
 
