@@ -101,7 +101,8 @@ class InternBootcampEnv(BaseEnv):
         weights = plan.get("weights") or {}
         names = self.tasks.names
         family = rng.choices(names, weights=[float(weights.get(n, w)) for n, w in zip(names, self.tasks.weights)])[0]
-        level = int((plan.get("levels") or {}).get(family, self.tasks.difficulties[0]))
+        static_level = rng.choice(self.tasks.difficulties)  # drawn as get_item does, so equal plans give equal items
+        level = int((plan.get("levels") or {}).get(family, static_level))
         return self._item(index, get_family(family).generate(rng, level))
 
     def solved(self, item: Item, score: float) -> bool:

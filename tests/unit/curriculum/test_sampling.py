@@ -146,3 +146,11 @@ def test_curriculum_on_an_env_without_difficulty_levels_is_refused():
 
     with pytest.raises(ValueError, match="has none"):
         make_curriculum(CurriculumSettings(enabled=True), BaseEnv())
+
+
+def test_a_plan_equal_to_the_static_config_draws_the_same_items():
+    env = InternBootcampEnv(InternBootcampConfig(difficulties=[2], seed=7))
+    plan = {"levels": {name: 2 for name in env.curriculum_families()}, "weights": env.base_weights()}
+    assert [env.get_planned_item(i, plan).key for i in range(30)] == [env.get_item(i).key for i in range(30)]
+    harder = {"levels": {name: 4 for name in env.curriculum_families()}, "weights": env.base_weights()}
+    assert all(env.get_planned_item(i, harder).info["difficulty"] == 4 for i in range(30))
