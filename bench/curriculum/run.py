@@ -1,6 +1,6 @@
 """Static difficulty vs the adaptive curriculum: how many items and rollouts a kept (informative) group costs.
 
-    OMP_NUM_THREADS=1 python -m bench.curriculum.run --items 300 --seeds 0 1 2     # full
+    OMP_NUM_THREADS=1 python -m bench.curriculum.run --items 200 --seeds 0 1 --group-size 8   # full
     OMP_NUM_THREADS=1 python -m bench.curriculum.run --smoke                       # seconds
 
 The starter policy (models/starter-policy, falls back to a tiny random one if it is missing) is served by the
@@ -75,6 +75,8 @@ def run_arm(base_url: str, model: str, *, seed: int, items: int, chunk_items: in
             rollouts += grouped.rollouts
             kept += len(grouped.groups)
             tried += stats["items"]
+            print(f"  chunk {chunk}: kept {len(grouped.groups)}/{stats['items']} ({time.perf_counter() - started:.0f}s)",
+                  flush=True)
         seconds = time.perf_counter() - started
     return {"seed": seed, "items": tried, "groups_kept": kept, "rollouts": rollouts,
             "kept_share": kept / tried if tried else 0.0,
@@ -84,9 +86,9 @@ def run_arm(base_url: str, model: str, *, seed: int, items: int, chunk_items: in
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=300, help="Items per arm and seed.")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--chunk-items", type=int, default=20)
+    parser.add_argument("--items", type=int, default=200, help="Items per arm and seed.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--chunk-items", type=int, default=10)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="12 items, one seed, group size 4: about a minute on a shared machine.")
     args = parser.parse_args(argv)
