@@ -1,6 +1,6 @@
 """Static difficulty vs the adaptive curriculum: how many items and rollouts a kept (informative) group costs.
 
-    OMP_NUM_THREADS=1 python -m bench.curriculum.run --items 200 --seeds 0 1 --group-size 8   # full
+    OMP_NUM_THREADS=1 python -m bench.curriculum.run --items 200 --group-size 8 --pairs 3    # full
     OMP_NUM_THREADS=1 python -m bench.curriculum.run --smoke                       # seconds
 
 The starter policy (models/starter-policy, falls back to a tiny random one if it is missing) is served by the
@@ -13,23 +13,21 @@ Prefect (a yield ratio does not depend on the orchestrator). Arms, run in turn f
 - adaptive: datagen.curriculum (band 0.2-0.8, every family starting at level 1);
 - adaptive+reweight: the same, with families weighed by their recent share of kept groups.
 
-Per arm: items tried, groups kept, the share of items that yield a kept group, and rollouts spent per kept group;
-the ratio column is adaptive / static, per seed then the median over seeds. JSON lines go to
-bench/out/curriculum/results.jsonl.
+Per arm: items tried, groups kept, the share of items that yield a kept group, and rollouts spent per kept group.
+Arms run interleaved through bench/harness.py (round r uses seed r for every arm); ratios to static are taken
+within each round, then the median. JSON lines: bench/results/curriculum.jsonl (bench/out/smoke/ with --smoke).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "bench" / "out" / "curriculum"
 REF = "environments.intern_bootcamp:InternBootcampEnv"
 ARMS = {
     "static": None,
@@ -85,15 +83,17 @@ def run_arm(base_url: str, model: str, *, seed: int, items: int, chunk_items: in
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench import harness
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=200, help="Items per arm and seed.")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--items", type=int, default=200, help="Items per arm and round.")
     parser.add_argument("--chunk-items", type=int, default=10)
     parser.add_argument("--group-size", type=int, default=16)
-    parser.add_argument("--smoke", action="store_true", help="12 items, one seed, group size 4: about a minute on a shared machine.")
+    harness.add_bench_args(parser)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.items, args.seeds, args.chunk_items, args.group_size = 12, [0], 6, 4
+        args.items, args.chunk_items, args.group_size = 12, 6, 4
+    pairs, json_out = harness.pairs_from(args), harness.json_path("curriculum", args)
 
     from factory.inference.local_server import start_local_server
 
@@ -103,30 +103,31 @@ def main(argv: list[str] | None = None) -> None:
 
         model = make_tiny_policy(Path(tempfile.mkdtemp()) / "tiny")
         print(f"starter policy missing: using a tiny random policy at {model}")
-    OUT.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
-    with start_local_server(model) as server, open(OUT / "results.jsonl", "a", encoding="utf-8") as log:
-        for seed in args.seeds:  # arms interleaved per seed
-            for arm, curriculum in ARMS.items():
+    totals: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+
+    with start_local_server(model) as server:
+        def side(arm: str, curriculum: dict | None) -> Any:
+            def run() -> dict[str, float]:
+                seed = len(totals[arm])  # round r draws the items of seed r, the same seed for every arm
                 row = run_arm(server.base_url, str(model), seed=seed, items=args.items, chunk_items=args.chunk_items,
                               curriculum=curriculum, group_size=args.group_size)
-                results[arm].append(row)
-                log.write(json.dumps({"bench": "curriculum", "arm": arm, "smoke": args.smoke, **row}) + "\n")
+                totals[arm].append(row)
                 print(f"seed {seed} {arm:18s} kept {row['groups_kept']:4d}/{row['items']} items "
                       f"({row['kept_share']:.3f}), {row['seconds']}s, levels {row['levels']}", flush=True)
+                return {"kept share": row["kept_share"],
+                        "rollouts per kept group": row["rollouts_per_kept_group"] or float("inf")}
+            return run
 
-    print(f"\n{args.items} items per arm and seed, seeds {args.seeds}, group_size {args.group_size}, "
-          f"chunks of {args.chunk_items}\n")
-    print("| arm | items | groups kept | kept share | rollouts per kept group | kept share vs static (median of seeds) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for arm, rows in results.items():
-        items = sum(r["items"] for r in rows)
-        kept = sum(r["groups_kept"] for r in rows)
-        rollouts = sum(r["rollouts"] for r in rows)
-        ratios = [r["kept_share"] / s["kept_share"] for r, s in zip(rows, results["static"]) if s["kept_share"]]
-        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
-        per_group = f"{rollouts / kept:.1f}" if kept else "n/a"
-        print(f"| {arm} | {items} | {kept} | {kept / items:.3f} | {per_group} | {ratio} |")
+        result = harness.compare("curriculum", [harness.Side(arm, side(arm, c)) for arm, c in ARMS.items()],
+                                 pairs=pairs, json_out=json_out)
+    print(f"\n{args.items} items per arm and round (round r = seed r, the same seed for every arm), "
+          f"group_size {args.group_size}, chunks of {args.chunk_items}, {pairs} rounds")
+    harness.print_table(["arm", "items", "groups kept", "kept share", "rollouts per kept group"], [
+        [arm, sum(r["items"] for r in rows), sum(r["groups_kept"] for r in rows),
+         sum(r["groups_kept"] for r in rows) / max(1, sum(r["items"] for r in rows)),
+         sum(r["rollouts"] for r in rows) / max(1, sum(r["groups_kept"] for r in rows))]
+        for arm, rows in totals.items()], title="curriculum: totals over all rounds")
+    harness.print_comparison(result, title="curriculum: per-round ratios to static", json_out=json_out)
 
 
 if __name__ == "__main__":
