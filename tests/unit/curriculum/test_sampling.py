@@ -154,3 +154,17 @@ def test_a_plan_equal_to_the_static_config_draws_the_same_items():
     assert [env.get_planned_item(i, plan).key for i in range(30)] == [env.get_item(i).key for i in range(30)]
     harder = {"levels": {name: 4 for name in env.curriculum_families()}, "weights": env.base_weights()}
     assert all(env.get_planned_item(i, harder).info["difficulty"] == 4 for i in range(30))
+
+
+def test_config_keys_from_yaml_and_dotted_cli():
+    from factory.config import ConfigError
+    from flows.datagen import ENVIRONMENTS, build_job_config
+
+    cfg = build_job_config(ENVIRONMENTS["intern_bootcamp"], config_path="deployments/intern_bootcamp.yaml",
+                           cli_args=["--datagen.target_groups", "50", "--datagen.curriculum.enabled", "true",
+                                     "--datagen.curriculum.low", "0.3"])
+    assert cfg.datagen.target_groups == 50 and cfg.datagen.max_items is None
+    assert cfg.datagen.curriculum.enabled and cfg.datagen.curriculum.low == 0.3 and cfg.datagen.curriculum.high == 0.8
+    with pytest.raises(ConfigError, match="band is empty"):
+        build_job_config(ENVIRONMENTS["intern_bootcamp"], cli_args=["--datagen.curriculum.low", "0.9",
+                                                                    "--datagen.curriculum.high", "0.5"])
