@@ -88,6 +88,8 @@ class DynamicSampling:
                 curriculum.apply(record.chunk, outcomes, stats.get("groups_kept_by_family"))
                 self._plans[record.chunk] = curriculum.plan()
         self.restored_chunks = len(records)
+        if records:
+            self.save_curriculum()  # a kill between a commit and its state write left the file one chunk behind
         self._next = 0
         self._fixed_todo = [k for k in range(self.n_chunks) if k not in self.committed_chunks] if self.target is None else []
 
@@ -212,6 +214,7 @@ class DynamicSampling:
         out: dict[str, Any] = {"target_groups": self.target, "max_items": self.max_items,
                                "items_tried": self.committed_items, "stop_reason": self.stop_reason(),
                                "trimmed_over_target": self.trimmed_total(),
+                               "chunks_thrown_away": self.discarded_chunks,
                                "kept_per_item": round(self.committed_groups / self.committed_items, 4)
                                if self.committed_items else None}
         if self.curriculum is not None:

@@ -168,3 +168,13 @@ def test_config_keys_from_yaml_and_dotted_cli():
     with pytest.raises(ConfigError, match="band is empty"):
         build_job_config(ENVIRONMENTS["intern_bootcamp"], cli_args=["--datagen.curriculum.low", "0.9",
                                                                     "--datagen.curriculum.high", "0.5"])
+
+
+def test_state_file_one_chunk_behind_is_rewritten_from_the_committed_chunks(tmp_path):
+    store = ShardStore(tmp_path)
+    run_loop(store, target=20)
+    path = store.run_dir(RUN) / curriculum_state_name(PRODUCER)
+    good = path.read_text()
+    path.write_text(json.dumps({"stale": True}))  # as if killed between the last commit and the state write
+    again = run_loop(store, target=20)
+    assert again.next_chunk() is None and path.read_text() == good
