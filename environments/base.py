@@ -130,6 +130,26 @@ class BaseEnv:
         self._cursor += 1
         return item
 
+    # --- difficulty knob (optional; factory/curriculum.py moves it) ---
+    def curriculum_families(self) -> list[str]:
+        """Families whose items have a difficulty level the curriculum may move; [] (the default) for none."""
+        return []
+
+    def difficulty_range(self) -> tuple[int, int]:
+        """(lowest, highest) level of `curriculum_families`, and the level a curriculum starts at is the lowest."""
+        return (1, 1)
+
+    def get_planned_item(self, index: int, plan: dict[str, Any]) -> Item:
+        """The item at `index` drawn with a curriculum plan {"levels": {family: level}, "weights": {family: w}}.
+
+        Same index and plan -> same item. Envs without a difficulty knob ignore the plan.
+        """
+        return self.get_item(index)
+
+    def solved(self, item: Item, score: float) -> bool:
+        """Whether a rollout's score counts as a pass for the curriculum's pass rate (default: score > 0)."""
+        return score > 0
+
     def get_eval_item(self, index: int) -> Item:
         """An item for `evaluate`; generated envs draw from a far index range, dataset envs from a test split."""
         return self.get_item(EVAL_INDEX_OFFSET + index)

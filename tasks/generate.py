@@ -195,10 +195,12 @@ def generate_chunk(
     api: SamplingApi = "auto",
     max_in_flight: int = 64,
     max_failed_fraction: float = 0.5,
+    plan: dict[str, Any] | None = None,
 ) -> GeneratedChunk:
-    """Items at `indices` and their rollouts; raises when more than `max_failed_fraction` of items failed."""
+    """Items at `indices` (drawn with a curriculum `plan` if given) and their rollouts; raises when more than
+    `max_failed_fraction` of items failed."""
     env = load_env(spec)
-    items = [env.get_item(i) for i in indices]
+    items = [env.get_item(i) if plan is None else env.get_planned_item(i, plan) for i in indices]
     chosen = resolve_api(api, openai)
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
 

@@ -41,6 +41,8 @@ class GroupedChunk:
         self.scored = 0
         self.generate_s = 0.0
         self.generate_started_at = 0.0
+        self.outcomes: list[tuple[Item, list[float] | None]] = []
+        """Every item of the chunk in order with its rollout scores (None if any rollout failed): the curriculum's input."""
 
     def __iter__(self) -> Iterator[ScoredGroup]:
         """The kept groups, so the chunk itself goes to the shard writer (ShardStore.commit takes an iterable)."""
@@ -110,6 +112,7 @@ def build_group(
         item_key=item.key,
         policy_version=policy_version,
         run_id=run_id,
+        difficulty=item.info.get("difficulty"),
     )
 
 
@@ -141,6 +144,8 @@ def group_chunk(
             ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
             generation_params=generation_params,
         )
+        failed = any(r.error is not None or r.score is None for r in group_rollouts)
+        result.outcomes.append((item, None if failed else [float(r.score) for r in group_rollouts]))  # type: ignore[arg-type]
         if isinstance(built, str):
             result.dropped[built] += 1
         else:
