@@ -11,6 +11,7 @@ configured).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -67,6 +68,8 @@ def make_task_runner(d: Any) -> Any:
         block = Block.load(d.task_runner_block)
         if not hasattr(block, "task_runner"):
             raise ValueError(f"block {d.task_runner_block!r} has no task_runner() method; use a cluster block that does")
+        if "run_id" in inspect.signature(block.task_runner).parameters:
+            return block.task_runner(run_id=d.run_id)  # cluster jobs named for the run (blocks/slurm.py)
         return block.task_runner()
     return TASK_RUNNERS[d.task_runner](d)
 

@@ -41,6 +41,7 @@ class GroupedChunk:
         self.scored = 0
         self.generate_s = 0.0
         self.generate_started_at = 0.0
+        self.worker: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[ScoredGroup]:
         """The kept groups, so the chunk itself goes to the shard writer (ShardStore.commit takes an iterable)."""
@@ -59,6 +60,7 @@ class GroupedChunk:
             "scored": self.scored,
             "generate_s": round(self.generate_s, 4),
             "generate_started_at": self.generate_started_at,
+            "worker": self.worker,
         }
 
 
@@ -168,6 +170,7 @@ def group_generated(
         generation_params=generation_params,
     )
     grouped.generate_s, grouped.generate_started_at = chunk.generate_s, chunk.started_at
+    grouped.worker = getattr(chunk, "worker", {})
     return grouped
 
 

@@ -1,0 +1,97 @@
+"""The SLURM worker jobs a SlurmClusterSpec / SlurmClusterBlock describes: the sbatch script dask-jobqueue submits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from factory.slurm_cluster import (
+    PROJECT_ROOT, SlurmClusterSpec, adapt_kwargs, cluster_kwargs, job_script, run_job_name, worker_identity,
+)
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> SlurmClusterSpec:
+    return SlurmClusterSpec(
+        cores=16, memory="200GB", processes=2, walltime="01:00:00", partition="gpu", account="rl", qos="high",
+        extra_directives=["--gpus-per-node=8", "--exclusive"], prologue=["module load cuda"],
+        environment={"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path / "logs"), prefect_api_url="http://head:4200/api",
+        worker_lifetime="55m", lifetime_stagger="4m", min_jobs=1, max_jobs=8)
+
+
+def test_job_script_carries_every_setting(spec: SlurmClusterSpec, tmp_path: Path) -> None:
+    script = job_script(spec, run_id="intern-bootcamp")
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH -J factory-datagen-intern-bootcamp" in header
+    for line in ("#SBATCH -p gpu", "#SBATCH -A rl", "#SBATCH --qos=high", "#SBATCH --cpus-per-task=16",
+                 "#SBATCH --mem=187G", "#SBATCH -t 01:00:00", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive",
+                 f"#SBATCH --output={tmp_path / 'logs'}/slurm-%j.out"):
+        assert line in header, (line, header)
+    body = script.split("\n", 1)[1]
+    # The prologue runs first, in order: per-job log dir, project importable, API, environment, the user's lines.
+    order = [f"exec >>{tmp_path / 'logs'}/$SLURM_JOB_ID/worker.log 2>&1", f"cd {PROJECT_ROOT}",
+             f'export PYTHONPATH={PROJECT_ROOT}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+             "export PREFECT_API_URL=http://head:4200/api", "export OMP_NUM_THREADS=1", "module load cuda",
+             f"{sys.executable} -m distributed.cli.dask_worker"]
+    positions = [body.index(part) for part in order]
+    assert positions == sorted(positions)
+    worker = next(line for line in body.splitlines() if "dask_worker" in line)
+    assert "--nworkers 2" in worker and "--nthreads 8" in worker
+    assert "--lifetime 55m --lifetime-stagger 4m" in worker and "--death-timeout 120" in worker
+    assert "--lifetime-restart" not in worker  # a worker that leaves ends its job; adapt submits a fresh one
+
+
+def test_defaults_are_a_small_job_with_no_optional_directives(tmp_path: Path) -> None:
+    script = job_script(SlurmClusterSpec(log_dir=str(tmp_path)), run_id=None)
+    assert "#SBATCH -J factory-datagen\n" in script
+    assert "#SBATCH -p" not in script and "#SBATCH -A" not in script and "--qos" not in script
+    assert "--lifetime" not in script and "#SBATCH --cpus-per-task=1" in script
+
+
+def test_adaptive_bounds_are_in_jobs(spec: SlurmClusterSpec) -> None:
+    assert adapt_kwargs(spec) == {"minimum_jobs": 1, "maximum_jobs": 8}
+    with pytest.raises(ValidationError, match="max_jobs"):
+        SlurmClusterSpec(min_jobs=3, max_jobs=2)
+
+
+def test_bad_directive_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValidationError, match="must be an sbatch option"):
+        SlurmClusterSpec(extra_directives=["exclusive"])
+
+
+def test_job_names_are_run_scoped_and_shell_safe() -> None:
+    assert run_job_name("factory-datagen", "run 1/a") == "factory-datagen-run_1_a"
+    assert run_job_name("p", None) == "p"
+    assert cluster_kwargs(SlurmClusterSpec(), run_id="r")["job_name"] == "factory-datagen-r"
+
+
+def test_relative_paths_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    kwargs = cluster_kwargs(SlurmClusterSpec(log_dir="logs", project_dir="code"))
+    assert f"--output={tmp_path}/logs/slurm-%j.out" in kwargs["job_extra_directives"]
+    assert f"cd {tmp_path}/code" in kwargs["job_script_prologue"]
+
+
+def test_block_has_the_spec_fields_and_builds_a_dask_task_runner(spec: SlurmClusterSpec,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import blocks.slurm as slurm_block
+
+    cancelled = []
+    monkeypatch.setattr(slurm_block, "cancel_jobs_named", cancelled.append)
+    block = slurm_block.SlurmClusterBlock(**spec.model_dump())
+    assert block.spec() == spec
+    runner = block.task_runner(run_id="r1")
+    assert runner.cluster_class == "dask_jobqueue.SLURMCluster"
+    assert runner.cluster_kwargs["job_name"] == "factory-datagen-r1" and runner.cluster_kwargs["cores"] == 16
+    assert runner.adapt_kwargs == {"minimum_jobs": 1, "maximum_jobs": 8}
+    assert cancelled == ["factory-datagen-r1"]  # leftovers of a killed run with the same id are cancelled first
+
+
+def test_worker_identity_names_the_slurm_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert worker_identity()["slurm_job_id"] == "42"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert worker_identity()["slurm_job_id"] is None
