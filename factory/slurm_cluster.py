@@ -61,6 +61,10 @@ class SlurmClusterSpec(FactoryConfig):
         None, description="Workers leave after this long (e.g. '55m' under a 1 h walltime) and the cluster submits "
                           "replacements, so running tasks are not killed by the walltime.")
     lifetime_stagger: str = Field("4m", description="Random spread of worker_lifetime, so workers do not leave at once.")
+    node_server_command: str | None = Field(
+        None, description="Inference server each job starts on its node before the worker ({port} is a free port), "
+                          "e.g. SGLang on GPU nodes; tasks with openai.base_url http://node-local/v1 sample from it.")
+    node_server_timeout_s: int = Field(1800, ge=1, description="Seconds the prologue waits for the node server's /health.")
     death_timeout_s: int = Field(120, ge=1, description="A worker that cannot reach the scheduler this long exits "
                                                          "(its job ends: no orphaned jobs after the flow dies).")
 
@@ -100,12 +104,87 @@ def prologue_lines(spec: SlurmClusterSpec, *, log_dir: Path, project_dir: Path, 
     if api_url:
         lines.append(f"export PREFECT_API_URL={shlex.quote(api_url)}")
     lines += [f"export {key}={shlex.quote(value)}" for key, value in spec.environment.items()]
-    return lines + list(spec.prologue)
+    lines += list(spec.prologue)
+    if spec.node_server_command:
+        lines += node_server_lines(spec.node_server_command, spec.python or sys.executable, spec.node_server_timeout_s)
+    return lines
+
+
+NODE_ENDPOINT_VAR = "FACTORY_NODE_ENDPOINT"
+"""Set in a worker job to the URL of the inference server its prologue started on the node."""
+
+
+def node_server_lines(command: str, python: str, timeout_s: int) -> list[str]:
+    """Start `command` on a free port in the background, wait for /health, export its URL; stop it when the job ends.
+
+    A server that exits or stays unhealthy ends the job with its log's tail in worker.log (the cluster then
+    submits another job), so no worker ever takes tasks without its server.
+    """
+    py = shlex.quote(python)
+    try:
+        server = command.format(port="$FACTORY_NODE_PORT")
+    except (KeyError, IndexError) as error:
+        raise ValueError(f"node_server_command {command!r} uses an unknown placeholder {error}; only {{port}}") from None
+    return [
+        f'FACTORY_NODE_PORT=$({py} -c "import socket; s = socket.socket(); s.bind((\'\', 0)); '
+        f'print(s.getsockname()[1])")',
+        f"{server} >$FACTORY_JOB_LOG_DIR/server.log 2>&1 &",
+        "FACTORY_NODE_SERVER_PID=$!",
+        "trap 'kill $FACTORY_NODE_SERVER_PID 2>/dev/null' EXIT",
+        f'export {NODE_ENDPOINT_VAR}="http://$(hostname):$FACTORY_NODE_PORT"',
+        f"{py} -m factory.slurm_cluster wait-healthy ${NODE_ENDPOINT_VAR} --pid $FACTORY_NODE_SERVER_PID "
+        f"--timeout {timeout_s} --log $FACTORY_JOB_LOG_DIR/server.log || exit 1",
+    ]
+
+
+def wait_healthy(url: str, *, pid: int | None, timeout_s: float, log: str | None = None) -> str | None:
+    """None once `url`/health answers 200; else why not (the server process exited, or the time ran out)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pid is not None and not Path(f"/proc/{pid}").exists():
+            reason = f"node inference server (pid {pid}) exited before {url} was healthy"
+            break
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        reason = f"node inference server not healthy at {url} within {timeout_s:.0f} s"
+    tail = Path(log).read_text(errors="replace")[-2000:] if log and Path(log).is_file() else "(no log)"
+    return f"{reason}; last lines of {log}:\n{tail}"
+
+
+NODE_LOCAL_HOST = "node-local"
+"""Host name in openai.base_url that stands for the worker's own node server: `http://node-local/v1`."""
+
+
+def resolve_node_local(base_url: str | list[str]) -> str | list[str]:
+    """Point `http://node-local/...` URLs at this worker's node server (FACTORY_NODE_ENDPOINT); others unchanged."""
+    from urllib.parse import urlsplit
+
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not any(urlsplit(url).netloc == NODE_LOCAL_HOST for url in urls):
+        return base_url
+    endpoint = os.environ.get(NODE_ENDPOINT_VAR)
+    if not endpoint:
+        raise RuntimeError(f"openai.base_url names http://{NODE_LOCAL_HOST} but this worker (host "
+                           f"{socket.gethostname()}) has no {NODE_ENDPOINT_VAR}: set node_server_command in the "
+                           "SLURM cluster block, or give the endpoints' URLs")
+    resolved = [endpoint.rstrip("/") + urlsplit(url).path if urlsplit(url).netloc == NODE_LOCAL_HOST else url
+                for url in urls]
+    return resolved[0] if isinstance(base_url, str) else resolved
 
 
 def cluster_kwargs(spec: SlurmClusterSpec, *, run_id: str | None = None) -> dict[str, Any]:
     """Keyword arguments of `dask_jobqueue.SLURMCluster` for `spec`, with jobs named for `run_id`."""
     log_dir = Path(spec.log_dir).absolute()
+    log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create it, and a job without its --output fails
     project_dir = Path(spec.project_dir or PROJECT_ROOT).absolute()
     api_url = spec.prefect_api_url or os.environ.get("PREFECT_API_URL")
     directives = [f"--output={log_dir}/slurm-%j.out"]
@@ -127,7 +206,7 @@ def cluster_kwargs(spec: SlurmClusterSpec, *, run_id: str | None = None) -> dict
         "worker_extra_args": worker_args,
         "python": spec.python or sys.executable,
         "death_timeout": spec.death_timeout_s,
-        "scheduler_options": {"dashboard_address": None},
+        "scheduler_options": {"dashboard_address": ":0"},  # a free port: several runs on one head node
     }
     if spec.interface:
         kwargs["interface"] = spec.interface
@@ -185,3 +264,32 @@ def cancel_jobs_named(name: str) -> list[str]:
         logger.warning("cancelled %d SLURM job(s) named %s left by an earlier run: %s", len(jobs), name,
                        ", ".join(jobs))
     return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m factory.slurm_cluster wait-healthy URL --pid P --timeout S` (job prologues) and `cancel NAME`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Helpers for factory worker jobs on SLURM.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    wait = commands.add_parser("wait-healthy", help="wait until URL/health answers (a node server in a prologue)")
+    wait.add_argument("url")
+    wait.add_argument("--pid", type=int, default=None, help="give up when this process exits")
+    wait.add_argument("--timeout", type=float, default=1800.0)
+    wait.add_argument("--log", default=None, help="log whose tail is printed on failure")
+    cancel = commands.add_parser("cancel", help="cancel this user's jobs called NAME (e.g. factory-datagen-<run id>)")
+    cancel.add_argument("name")
+    args = parser.parse_args(argv)
+    if args.command == "cancel":
+        print(" ".join(cancel_jobs_named(args.name)) or f"no jobs named {args.name}")
+        return 0
+    problem = wait_healthy(args.url, pid=args.pid, timeout_s=args.timeout, log=args.log)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    print(f"node inference server healthy at {args.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.types import Completion, SamplingParams
-from factory.slurm_cluster import worker_identity
+from factory.slurm_cluster import resolve_node_local, worker_identity
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ def generate_chunk(
     """Items at `indices` and their rollouts; raises when more than `max_failed_fraction` of items failed."""
     env = load_env(spec)
     items = [env.get_item(i) for i in indices]
+    if (node_urls := resolve_node_local(openai.base_url)) != openai.base_url:
+        openai = openai.model_copy(update={"base_url": node_urls})  # this SLURM worker's own node server
     chosen = resolve_api(api, openai)
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
 

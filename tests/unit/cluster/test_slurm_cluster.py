@@ -95,3 +95,42 @@ def test_worker_identity_names_the_slurm_job(monkeypatch: pytest.MonkeyPatch) ->
     assert worker_identity()["slurm_job_id"] == "42"
     monkeypatch.delenv("SLURM_JOB_ID")
     assert worker_identity()["slurm_job_id"] is None
+
+
+def test_node_server_starts_before_the_worker_and_is_waited_for(tmp_path: Path) -> None:
+    spec = SlurmClusterSpec(log_dir=str(tmp_path), node_server_command="python -m factory.inference.local_server "
+                            "--model models/starter-policy --port {port}", node_server_timeout_s=600)
+    lines = cluster_kwargs(spec)["job_script_prologue"]
+    start = next(i for i, line in enumerate(lines) if "local_server" in line)
+    assert "--port $FACTORY_NODE_PORT >$FACTORY_JOB_LOG_DIR/server.log 2>&1 &" in lines[start]
+    wait = next(i for i, line in enumerate(lines) if "wait-healthy" in line)
+    assert wait > start and "--timeout 600" in lines[wait] and lines[wait].endswith("|| exit 1")
+    assert any(line.startswith('export FACTORY_NODE_ENDPOINT="http://$(hostname):') for line in lines)
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        cluster_kwargs(SlurmClusterSpec(node_server_command="serve --port {prt}"))
+
+
+def test_node_local_base_url_resolves_to_the_workers_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from factory.slurm_cluster import resolve_node_local
+
+    monkeypatch.delenv("FACTORY_NODE_ENDPOINT", raising=False)
+    assert resolve_node_local("http://a:1/v1") == "http://a:1/v1"
+    with pytest.raises(RuntimeError, match="node_server_command"):
+        resolve_node_local("http://node-local/v1")
+    monkeypatch.setenv("FACTORY_NODE_ENDPOINT", "http://node7:31000")
+    assert resolve_node_local("http://node-local/v1") == "http://node7:31000/v1"
+    assert resolve_node_local(["http://node-local", "http://b:2/v1"]) == ["http://node7:31000", "http://b:2/v1"]
+
+
+def test_wait_healthy_reports_a_server_that_died_with_its_log(tmp_path: Path) -> None:
+    import subprocess
+
+    from factory.slurm_cluster import wait_healthy
+
+    log = tmp_path / "server.log"
+    log.write_text("OSError: no model at models/x\n")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    problem = wait_healthy("http://127.0.0.1:9", pid=dead.pid, timeout_s=30, log=str(log))
+    assert problem is not None and "exited before" in problem and "no model at models/x" in problem
+    assert "within 1 s" in wait_healthy("http://127.0.0.1:9", pid=None, timeout_s=1)
