@@ -134,3 +134,19 @@ def test_wait_healthy_reports_a_server_that_died_with_its_log(tmp_path: Path) ->
     problem = wait_healthy("http://127.0.0.1:9", pid=dead.pid, timeout_s=30, log=str(log))
     assert problem is not None and "exited before" in problem and "no model at models/x" in problem
     assert "within 1 s" in wait_healthy("http://127.0.0.1:9", pid=None, timeout_s=1)
+
+
+def test_cluster_deployment_is_the_seed_job_on_slurm_blocks() -> None:
+    import yaml
+
+    from flows.datagen import ENVIRONMENTS, build_job_config
+
+    deployments = {d["name"]: d for d in yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())["deployments"]}
+    slurm = deployments["intern-bootcamp-datagen-slurm"]
+    assert slurm["entrypoint"] == deployments["intern-bootcamp-datagen"]["entrypoint"]  # same flow, other blocks
+    params = slurm["parameters"]
+    cfg = build_job_config(ENVIRONMENTS["intern_bootcamp"], config_path=str(PROJECT_ROOT / params["config_path"]),
+                           values={k: params[k] for k in ("env", "datagen")})
+    assert (cfg.env.group_size, cfg.env.total_items, cfg.datagen.chunk_items) == (16, 1000, 100)
+    assert cfg.datagen.task_runner_block == "factory-slurm-cluster/datagen-nodes"
+    assert cfg.datagen.endpoints_block == "sglang-endpoints"
