@@ -32,7 +32,7 @@ from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.store import ShardStore
-from flows.datagen_runtime import Backpressure, make_task_runner
+from flows.datagen_runtime import Backpressure, make_task_runner, use_endpoints_block
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
 from tasks.score import score_task
@@ -67,6 +67,8 @@ class DatagenSettings(FactoryConfig):
     dask_threads_per_worker: int = Field(4, ge=1, description="Threads per Dask worker.")
     slurm: dict[str, Any] = Field(default_factory=dict, description="dask_jobqueue.SLURMCluster keyword arguments.")
     slurm_jobs: int = Field(1, ge=1, description="Most SLURM jobs the cluster adapts up to.")
+    endpoints_block: str | None = Field(None, description="InferenceEndpointsBlock name (e.g. 'sglang-endpoints', saved "
+                                        "by the sglang-on-slurm flow) whose endpoints replace openai.base_url.")
     output_dir: str | None = Field(None, description="Where process/evaluate write JSONL, HTML, metrics; default: the run dir.")
     target_groups: int | None = Field(None, ge=1, description="Draw items until this many groups are kept (exactly; "
                                       "env.total_items is then ignored); None: run env.total_items items.")
@@ -276,6 +278,7 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
     values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
     cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
+    use_endpoints_block(cfg)
     runner = make_task_runner(cfg.datagen)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")

@@ -26,6 +26,7 @@ from prefect.cache_policies import NO_CACHE
 from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.types import Completion, SamplingParams
+from factory.slurm_cluster import resolve_node_local, worker_identity
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class GeneratedChunk:
         self.items, self.rollouts, self.failed_items = items, rollouts, failed_items
         self.generate_s = generate_s
         self.started_at = started_at  # wall-clock start (time.time()), to measure the share of time in inference
+        self.worker: dict[str, Any] = {}  # where it was generated: host, SLURM job id, pid (chunk stats)
 
 
 async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, max_in_flight: int) -> GeneratedChunk:
@@ -201,6 +203,8 @@ def generate_chunk(
     `max_failed_fraction` of items failed."""
     env = load_env(spec)
     items = [env.get_item(i) if plan is None else env.get_planned_item(i, plan) for i in indices]
+    if (node_urls := resolve_node_local(openai.base_url)) != openai.base_url:
+        openai = openai.model_copy(update={"base_url": node_urls})  # this SLURM worker's own node server
     chosen = resolve_api(api, openai)
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
 
@@ -209,6 +213,7 @@ def generate_chunk(
         return await generate_items(env, items, ClientSampler(client, tokenizer, chosen), max_in_flight=max_in_flight)
 
     result = _SamplingLoop.run(run())
+    result.worker = worker_identity()
     if items and result.failed_items / len(items) > max_failed_fraction:
         example = next(r.error for g in result.rollouts for r in g if r.error)
         raise RuntimeError(

@@ -43,6 +43,7 @@ class GroupedChunk:
         self.generate_started_at = 0.0
         self.outcomes: list[tuple[Item, list[float] | None]] = []
         """Every item of the chunk in order with its rollout scores (None if any rollout failed): the curriculum's input."""
+        self.worker: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[ScoredGroup]:
         """The kept groups, so the chunk itself goes to the shard writer (ShardStore.commit takes an iterable)."""
@@ -61,6 +62,7 @@ class GroupedChunk:
             "scored": self.scored,
             "generate_s": round(self.generate_s, 4),
             "generate_started_at": self.generate_started_at,
+            "worker": self.worker,
         }
 
 
@@ -173,6 +175,7 @@ def group_generated(
         generation_params=generation_params,
     )
     grouped.generate_s, grouped.generate_started_at = chunk.generate_s, chunk.started_at
+    grouped.worker = getattr(chunk, "worker", {})
     return grouped
 
 
