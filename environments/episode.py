@@ -76,9 +76,10 @@ class Episode:
     def length(self) -> int:
         return len(self.prompt_ids or []) + len(self.output_ids)
 
-    def out_of_room(self) -> bool:
-        """True when the sequence has no room for another turn within `max_token_length`."""
-        return self.max_token_length is not None and self.length + self.sampling.max_tokens > self.max_token_length
+    def out_of_room(self, env_tokens: int = 128) -> bool:
+        """True when another env turn (about `env_tokens`) and model turn would not fit `max_token_length`."""
+        needed = self.length + env_tokens + self.sampling.max_tokens
+        return self.max_token_length is not None and needed > self.max_token_length
 
     def add(self, *messages: dict[str, Any]) -> None:
         """Messages from the environment (role user/tool/system); they become masked tokens before the next turn."""

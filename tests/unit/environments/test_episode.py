@@ -4,7 +4,6 @@ checked on the starter policy's real tokenizer and chat template."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,38 +13,7 @@ from environments.episode import Episode, env_turn_ids
 from environments.groups import MASK_IGNORE
 from factory.inference.types import Completion, SamplingParams
 from tasks.group import build_group, sequence_tokens
-
-STARTER = Path(__file__).resolve().parents[3] / "models" / "starter-policy"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from tasks.generate import load_tokenizer
-
-    return load_tokenizer(str(STARTER))
-
-
-class ScriptedSampler:
-    """Answers with scripted replies, token in / token out like /generate (EOS closes a reply, as the server does)."""
-
-    def __init__(self, tokenizer: Any, replies: list[str], *, close: bool = True) -> None:
-        self.tokenizer, self.replies, self.close = tokenizer, list(replies), close
-        self.seen_prompts: list[list[int]] = []
-
-    async def complete(self, messages, *, n, sampling, prompt_ids=None):
-        from tasks.generate import prompt_ids as template_ids
-
-        ids = list(prompt_ids) if prompt_ids is not None else template_ids(self.tokenizer, messages)
-        self.seen_prompts.append(ids)
-        out = []
-        for _ in range(n):
-            text = self.replies.pop(0)
-            output = list(self.tokenizer.encode(text, add_special_tokens=False))
-            if self.close:
-                output.append(self.tokenizer.eos_token_id)
-            out.append(Completion(text, ids, output, [-0.5] * len(output), "stop" if self.close else "length", 3, "fake"))
-        return out
-
+from tests.unit.environments.scripted import ScriptedSampler
 
 class Countdown(BaseEnv):
     """A toy multi-turn env: the user says a number, the model replies, the env says the next number."""

@@ -1,0 +1,33 @@
+"""Datagen flows (and deployments) for the environment library: one named flow per environment.
+
+Each is `run_datagen` on the env's import path, exactly like `intern-bootcamp-datagen` in flows/datagen.py;
+they live here so adding an environment does not touch the core flow module.
+
+    prefect deployment run tool-calling-datagen/tool-calling-datagen
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.datagen import run_datagen
+
+LIBRARY = {
+    "tool_calling": "environments.tool_calling:ToolCallingEnv",
+}
+"""Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
+
+
+def _run(name: str, env: dict[str, Any] | None, openai: dict[str, Any] | None, datagen: dict[str, Any] | None,
+         serve: dict[str, Any] | None, config_path: str | None) -> dict[str, Any]:
+    return run_datagen(LIBRARY[name], env=env, openai=openai, datagen=datagen, serve=serve, config_path=config_path)
+
+
+@flow(name="tool-calling-datagen", retries=2, retry_delay_seconds=30)
+def tool_calling_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                         datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                         config_path: str | None = None) -> dict[str, Any]:
+    """Multi-turn tool-calling rollouts (deployments/tool_calling.yaml)."""
+    return _run("tool_calling", env, openai, datagen, serve, config_path)
