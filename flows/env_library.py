@@ -16,6 +16,7 @@ from flows.datagen import run_datagen
 
 LIBRARY = {
     "tool_calling": "environments.tool_calling:ToolCallingEnv",
+    "code_exec": "environments.code_exec:CodeExecEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -31,3 +32,11 @@ def tool_calling_datagen(env: dict[str, Any] | None = None, openai: dict[str, An
                          config_path: str | None = None) -> dict[str, Any]:
     """Multi-turn tool-calling rollouts (deployments/tool_calling.yaml)."""
     return _run("tool_calling", env, openai, datagen, serve, config_path)
+
+
+@flow(name="code-exec-datagen", retries=2, retry_delay_seconds=30)
+def code_exec_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                      datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                      config_path: str | None = None) -> dict[str, Any]:
+    """Code-execution rollouts, submissions scored in the sandbox (deployments/code_exec.yaml)."""
+    return _run("code_exec", env, openai, datagen, serve, config_path)
