@@ -17,6 +17,7 @@ from flows.datagen import run_datagen
 LIBRARY = {
     "tool_calling": "environments.tool_calling:ToolCallingEnv",
     "code_exec": "environments.code_exec:CodeExecEnv",
+    "reasoning_gym": "environments.reasoning_gym_env:ReasoningGymEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -40,3 +41,11 @@ def code_exec_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] 
                       config_path: str | None = None) -> dict[str, Any]:
     """Code-execution rollouts, submissions scored in the sandbox (deployments/code_exec.yaml)."""
     return _run("code_exec", env, openai, datagen, serve, config_path)
+
+
+@flow(name="reasoning-gym-datagen", retries=2, retry_delay_seconds=30)
+def reasoning_gym_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                          datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                          config_path: str | None = None) -> dict[str, Any]:
+    """reasoning-gym rollouts: a dataset or weighted mix at a difficulty level (deployments/reasoning_gym.yaml)."""
+    return _run("reasoning_gym", env, openai, datagen, serve, config_path)
