@@ -18,6 +18,7 @@ LIBRARY = {
     "tool_calling": "environments.tool_calling:ToolCallingEnv",
     "code_exec": "environments.code_exec:CodeExecEnv",
     "reasoning_gym": "environments.reasoning_gym_env:ReasoningGymEnv",
+    "math": "environments.math_env:MathEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -49,3 +50,11 @@ def reasoning_gym_datagen(env: dict[str, Any] | None = None, openai: dict[str, A
                           config_path: str | None = None) -> dict[str, Any]:
     """reasoning-gym rollouts: a dataset or weighted mix at a difficulty level (deployments/reasoning_gym.yaml)."""
     return _run("reasoning_gym", env, openai, datagen, serve, config_path)
+
+
+@flow(name="math-datagen", retries=2, retry_delay_seconds=30)
+def math_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                 datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                 config_path: str | None = None) -> dict[str, Any]:
+    """MATH rollouts, boxed answers checked by math-verify (deployments/math.yaml, math_sample.yaml)."""
+    return _run("math", env, openai, datagen, serve, config_path)
