@@ -19,6 +19,7 @@ LIBRARY = {
     "code_exec": "environments.code_exec:CodeExecEnv",
     "reasoning_gym": "environments.reasoning_gym_env:ReasoningGymEnv",
     "math": "environments.math_env:MathEnv",
+    "multiple_choice": "environments.multiple_choice:MultipleChoiceEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -58,3 +59,11 @@ def math_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | Non
                  config_path: str | None = None) -> dict[str, Any]:
     """MATH rollouts, boxed answers checked by math-verify (deployments/math.yaml, math_sample.yaml)."""
     return _run("math", env, openai, datagen, serve, config_path)
+
+
+@flow(name="multiple-choice-datagen", retries=2, retry_delay_seconds=30)
+def multiple_choice_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                            datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                            config_path: str | None = None) -> dict[str, Any]:
+    """MMLU-style multiple-choice rollouts (deployments/multiple_choice.yaml)."""
+    return _run("multiple_choice", env, openai, datagen, serve, config_path)

@@ -27,6 +27,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tool_calling": {"max_tokens": 24, "max_turns": 3, "max_token_length": 512},  # the starter's context is 512
     "code_exec": {"max_tokens": 32, "max_token_length": 512, "wall_s": 2.0},
     "math": {"max_tokens": 24, "max_token_length": 512, "data_file": str(REPO / "environments/data/math_sample.jsonl")},
+    "multiple_choice": {"max_tokens": 16, "max_token_length": 512,
+                        "data_file": str(REPO / "environments/data/mmlu_sample.jsonl")},
     "reasoning_gym": {"max_tokens": 24, "max_token_length": 512, "mix": {"basic_arithmetic": 1, "chain_sum": 1}},
 }
 
