@@ -20,6 +20,7 @@ LIBRARY = {
     "reasoning_gym": "environments.reasoning_gym_env:ReasoningGymEnv",
     "math": "environments.math_env:MathEnv",
     "multiple_choice": "environments.multiple_choice:MultipleChoiceEnv",
+    "blackjack": "environments.blackjack:BlackjackEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -67,3 +68,11 @@ def multiple_choice_datagen(env: dict[str, Any] | None = None, openai: dict[str,
                             config_path: str | None = None) -> dict[str, Any]:
     """MMLU-style multiple-choice rollouts (deployments/multiple_choice.yaml)."""
     return _run("multiple_choice", env, openai, datagen, serve, config_path)
+
+
+@flow(name="blackjack-datagen", retries=2, retry_delay_seconds=30)
+def blackjack_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                      datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                      config_path: str | None = None) -> dict[str, Any]:
+    """Multi-step Blackjack rollouts, reward from the hand's outcome (deployments/blackjack.yaml)."""
+    return _run("blackjack", env, openai, datagen, serve, config_path)

@@ -25,6 +25,7 @@ STARTER = REPO / "models" / "starter-policy"
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "tool_calling": {"max_tokens": 24, "max_turns": 3, "max_token_length": 512},  # the starter's context is 512
+    "blackjack": {"max_tokens": 16, "max_token_length": 512, "max_turns": 3},
     "code_exec": {"max_tokens": 32, "max_token_length": 512, "wall_s": 2.0},
     "math": {"max_tokens": 24, "max_token_length": 512, "data_file": str(REPO / "environments/data/math_sample.jsonl")},
     "multiple_choice": {"max_tokens": 16, "max_token_length": 512,
