@@ -21,6 +21,7 @@ LIBRARY = {
     "math": "environments.math_env:MathEnv",
     "multiple_choice": "environments.multiple_choice:MultipleChoiceEnv",
     "blackjack": "environments.blackjack:BlackjackEnv",
+    "llm_judge": "environments.llm_judge:LLMJudgeEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -76,3 +77,11 @@ def blackjack_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] 
                       config_path: str | None = None) -> dict[str, Any]:
     """Multi-step Blackjack rollouts, reward from the hand's outcome (deployments/blackjack.yaml)."""
     return _run("blackjack", env, openai, datagen, serve, config_path)
+
+
+@flow(name="llm-judge-datagen", retries=2, retry_delay_seconds=30)
+def llm_judge_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                      datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                      config_path: str | None = None) -> dict[str, Any]:
+    """RLAIF rollouts scored by a judge endpoint, pairwise in both orders (deployments/llm_judge.yaml)."""
+    return _run("llm_judge", env, openai, datagen, serve, config_path)

@@ -46,8 +46,9 @@ def score_chunk(
     workers: int = 2,
     mode: Literal["process", "inline"] = "process",
 ) -> list[list[Rollout]]:
-    """Fill in `score` (or `error`) on every rollout of the chunk; rollouts that already failed are left alone."""
-    todo = [(i, [r for r in group if r.error is None]) for i, group in enumerate(rollouts)]
+    """Fill in `score` (or `error`) on every rollout of the chunk; rollouts that already failed, or that the env
+    scored while collecting (an LLM judge), are left alone."""
+    todo = [(i, [r for r in group if r.error is None and r.score is None]) for i, group in enumerate(rollouts)]
     if mode == "inline":
         for i, live in todo:
             _apply(live, score_item(spec, items[i], [r.scoring_input() for r in live], None))

@@ -97,3 +97,24 @@ def test_multi_turn_env_through_the_datagen_flow(prefect_server, policy_url, tmp
         for tokens, masks, conversation in zip(group.tokens, group.masks, group.messages):
             assert conversation[0]["role"] == "system" and conversation[-1]["role"] == "assistant"
             assert sum(m != MASK_IGNORE for m in masks) < len(tokens)
+
+
+def test_llm_judge_failures_on_a_judge_that_cannot_judge_are_counted_not_scored(policy_url):
+    """The starter policy as the judge: it never writes a <verdict>, so every group fails loudly."""
+    from environments.llm_judge import LLMJudgeConfig, LLMJudgeEnv
+
+    env = LLMJudgeEnv(LLMJudgeConfig(group_size=2, max_tokens=8, judge_retries=1, judge_max_tokens=8,
+                                     judge={"base_url": policy_url}))
+    items = [env.get_item(i) for i in range(2)]
+    tokenizer = load_tokenizer(str(STARTER))
+
+    async def run():
+        async with InferenceClient(InferenceConfig(base_url=policy_url, server_type="sglang")) as client:
+            return await generate_items(env, items, ClientSampler(client, tokenizer, "generate"), max_in_flight=4)
+
+    chunk = asyncio.run(run())
+    grouped = group_chunk("llm_judge", chunk.items, chunk.rollouts, group_size=2, max_token_length=512)
+    assert grouped.groups == [] and grouped.dropped["failed"] == 2
+    assert all(r.score is None and r.error.startswith("judge_error") for g in chunk.rollouts for r in g)
+    judge = env.__dict__["_judge"][1]
+    assert judge.counts["failures"] >= 2 and judge.counts["retries"] >= 2
