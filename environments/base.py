@@ -230,6 +230,24 @@ class BaseEnv:
         return self.eval_metrics(items, texts), samples
 
 
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with OpenAI-style content parts flattened to text (pictures become `<image>`), for text-only
+    chat templates; messages whose content is already a string are returned as they are."""
+    if all(isinstance(m.get("content"), str) for m in messages):
+        return messages
+    flat = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") if part.get("type") == "text" else IMAGE_PLACEHOLDER
+                              for part in content)
+        flat.append({**message, "content": content})
+    return flat
+
+
 def _plain(value: Any) -> Any:
     """A JSON-friendly view of an item's answer."""
     if value is None or isinstance(value, str | int | float | bool | list | dict):

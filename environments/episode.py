@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from environments.base import text_messages
 from factory.inference.types import Completion, SamplingParams
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(text_messages(messages), add_generation_prompt=generation_prompt, tokenize=False)
     return text if isinstance(text, str) else str(text)
 
 

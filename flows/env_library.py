@@ -22,6 +22,7 @@ LIBRARY = {
     "multiple_choice": "environments.multiple_choice:MultipleChoiceEnv",
     "blackjack": "environments.blackjack:BlackjackEnv",
     "llm_judge": "environments.llm_judge:LLMJudgeEnv",
+    "shape_count": "environments.shape_count:ShapeCountEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -85,3 +86,11 @@ def llm_judge_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] 
                       config_path: str | None = None) -> dict[str, Any]:
     """RLAIF rollouts scored by a judge endpoint, pairwise in both orders (deployments/llm_judge.yaml)."""
     return _run("llm_judge", env, openai, datagen, serve, config_path)
+
+
+@flow(name="shape-count-datagen", retries=2, retry_delay_seconds=30)
+def shape_count_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                        datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                        config_path: str | None = None) -> dict[str, Any]:
+    """Multimodal shape counting: generated pictures kept in messages and `images` (deployments/shape_count.yaml)."""
+    return _run("shape_count", env, openai, datagen, serve, config_path)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env
+from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_messages
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.types import Completion, SamplingParams
 
@@ -55,8 +55,9 @@ def load_tokenizer(name: str) -> Any:
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it
+    (content parts flattened: a text-only template sees `<image>` where a picture is)."""
+    ids = tokenizer.apply_chat_template(text_messages(messages), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -108,6 +108,7 @@ def build_group(
         messages=[r.messages if r.messages is not None else [*item.messages, {"role": "assistant", "content": r.text}]
                   for r in rollouts],
         generation_params=generation_params,
+        images=item.info.get("images"),  # multimodal items: the prompt's pictures, kept with the group
         group_id=make_group_id(env, item.key, seed, policy_version),
         env=env,
         item_key=item.key,

@@ -30,6 +30,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "math": {"max_tokens": 24, "max_token_length": 512, "data_file": str(REPO / "environments/data/math_sample.jsonl")},
     "multiple_choice": {"max_tokens": 16, "max_token_length": 512,
                         "data_file": str(REPO / "environments/data/mmlu_sample.jsonl")},
+    "shape_count": {"max_tokens": 16, "max_token_length": 512},
     "reasoning_gym": {"max_tokens": 24, "max_token_length": 512, "mix": {"basic_arithmetic": 1, "chain_sum": 1}},
 }
 
