@@ -119,3 +119,22 @@ def test_llm_judge_failures_on_a_judge_that_cannot_judge_are_counted_not_scored(
     assert all(r.score is None and r.error.startswith("judge_error") for g in chunk.rollouts for r in g)
     judge = env.__dict__["_judge"][1]
     assert judge.counts["failures"] >= 2 and judge.counts["retries"] >= 2
+
+
+@pytest.mark.parametrize("name", ["blackjack", "multiple_choice", "shape_count"])
+def test_evaluate_runs_episodes_and_reports_metrics(name, policy_url):
+    spec = EnvSpec(LIBRARY[name], {"eval_items": 4, "tokenizer_name": str(STARTER), **CONFIGS[name]})
+    env = load_env(spec)
+    tokenizer = load_tokenizer(str(STARTER))
+
+    async def run():
+        async with InferenceClient(InferenceConfig(base_url=policy_url, server_type="sglang")) as client:
+            return await env.evaluate(ClientSampler(client, tokenizer, "generate"))
+
+    metrics, samples = asyncio.run(run())
+    assert metrics["items"] == 4 and len(samples) == 4 and 0.0 <= metrics["accuracy"] <= 1.0
+    for sample in samples:
+        if env.multi_turn:  # the whole greedy episode is the completion that was scored
+            assert isinstance(sample["completion"], list) and sample["completion"][-1]["role"] == "assistant"
+        else:
+            assert isinstance(sample["completion"], str)

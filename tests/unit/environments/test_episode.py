@@ -116,3 +116,21 @@ def test_episode_without_a_tokenizer_keeps_messages_but_no_tokens():
     env = Countdown(EnvConfig(group_size=1))
     [r] = asyncio.run(env.collect_trajectories(env.get_item(0), ChatOnly(), SamplingParams(max_tokens=4)))
     assert len(r.messages) == 6 and r.output_token_ids is None  # grouped as "failed": never silently wrong masks
+
+
+def test_groups_html_shows_every_turn_of_a_conversation(tmp_path):
+    import json
+
+    from flows.datagen_cli import write_groups_html
+
+    conversation = [{"role": "user", "content": "3"}, {"role": "assistant", "content": "two"},
+                    {"role": "user", "content": "1"}, {"role": "assistant", "content": "zero"}]
+    picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                             {"type": "text", "text": "count"}]}, {"role": "assistant", "content": "4"}]
+    lines = [{"item_key": "k", "scores": [1.0], "messages": [conversation]},
+             {"item_key": "m", "scores": [0.0], "messages": [picture]}]
+    (tmp_path / "g.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    write_groups_html(tmp_path / "g.jsonl", tmp_path / "g.html", title="t")
+    page = (tmp_path / "g.html").read_text()
+    assert all(f"<pre>{word}</pre>" in page for word in ("3", "two", "1", "zero", "count"))
+    assert '<img src="data:image/png;base64,AA==">' in page
