@@ -85,6 +85,18 @@ class SandboxResult:
         return self.returncode == 0 and not self.reason
 
 
+def isolation() -> dict[str, Any]:
+    """What isolation a run gets on this machine (namespaces, hidden filesystem, own uid), probed once."""
+    global _probed
+    if _probed is None:
+        result = run_python("pass", limits=SandboxLimits(wall_s=10))
+        _probed = {**result.isolation, "own_uid": os.getuid() == 0}
+    return _probed
+
+
+_probed: dict[str, Any] | None = None
+
+
 def _hidden_paths() -> list[str]:
     """Paths to cover; never one that holds the Python we exec."""
     python = os.path.realpath(sandbox_python())

@@ -10,7 +10,7 @@ import pytest
 
 from environments.base import EnvSpec, Rollout
 from environments.code_exec import PROBLEMS, CodeExecConfig, CodeExecEnv, extract_code
-from factory.sandbox import SandboxLimits, run_python
+from factory.sandbox import SandboxLimits, isolation, run_python
 from tasks.score import score_chunk
 
 REF = "environments.code_exec:CodeExecEnv"
@@ -53,6 +53,11 @@ def listener():
         yield server.getsockname()[1]
 
 
+NEEDS_NAMESPACES = {"reads the project", "lists /root", "opens a socket", "raw socket"}
+"""Attacks only the network and mount namespaces stop (root or CAP_SYS_ADMIN); elsewhere they are skipped, and
+the sandbox's docstring says what is left (a Python-level socket block, world-readable files readable)."""
+
+
 def hostile(name: str, port: int) -> str:
     code = HOSTILE[name].replace("PORT", str(port))
     return code if code.endswith(STUB) else code + "\n" + GOOD_GCD
@@ -89,6 +94,8 @@ def test_reference_like_solutions_pass_every_problem():
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_submission_scores_zero(name, listener):
+    if name in NEEDS_NAMESPACES and not (isolation().get("namespaces") and isolation().get("filesystem")):
+        pytest.skip(f"no network/mount namespaces here ({isolation()}): {name!r} is not stopped")
     e = env()
     started = time.monotonic()
     assert e.score(e.get_item(0), answer(hostile(name, listener))) == 0.0
@@ -113,12 +120,13 @@ def test_sandbox_isolation_on_this_machine():
 def test_hostile_group_in_the_scorer_processes_scores_zero_and_the_workers_stay_healthy(listener):
     spec = EnvSpec(REF, {"problems": ["gcd"], **FAST})
     item = env().get_item(0)
-    texts = [answer(hostile(name, listener)) for name in HOSTILE] + [answer(GOOD_GCD)]
+    names = [n for n in HOSTILE if isolation().get("namespaces") or n not in NEEDS_NAMESPACES]
+    texts = [answer(hostile(name, listener)) for name in names] + [answer(GOOD_GCD)]
     rollouts = [Rollout(item.key, t, [1], [2], None, "stop", 0) for t in texts]
     parent = os.getpid()
     score_chunk(spec, [item], [rollouts], timeout_s=120, workers=1, mode="process")
     assert [r.error for r in rollouts] == [None] * len(texts)
-    assert [r.score for r in rollouts] == [0.0] * len(HOSTILE) + [1.0]
+    assert [r.score for r in rollouts] == [0.0] * len(names) + [1.0]
     again = [Rollout(item.key, answer(GOOD_GCD), [1], [2], None, "stop", 0)]
     score_chunk(spec, [item], [again], timeout_s=60, workers=1, mode="process")  # the same worker, still healthy
     assert again[0].score == 1.0 and os.getpid() == parent
