@@ -49,8 +49,14 @@ def write_groups_jsonl(store: ShardStore, run_id: str, path: Path) -> int:
 
 
 def _message_html(message: dict[str, Any]) -> str:
+    content = message.get("content", "")
+    if isinstance(content, list):  # content parts: pictures are shown inline, text as text
+        body = "".join(f'<img src="{html.escape(p["image_url"]["url"])}">' if p.get("type") == "image_url"
+                       else f"<pre>{html.escape(str(p.get('text', '')))}</pre>" for p in content)
+    else:
+        body = f"<pre>{html.escape(str(content))}</pre>"
     return (f'<div class="msg {html.escape(str(message.get("role", "")))}"><b>{html.escape(str(message.get("role")))}'
-            f"</b><pre>{html.escape(str(message.get('content', '')))}</pre></div>")
+            f"</b>{body}</div>")
 
 
 def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) -> None:
@@ -71,14 +77,16 @@ def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) 
             group = json.loads(line)
             scores = group["scores"]
             conversations = group.get("messages") or [[] for _ in scores]
-            prompt = conversations[0][:-1] if conversations and conversations[0] else []
+            first = conversations[0] if conversations else []
+            start = next((k for k, m in enumerate(first) if m.get("role") == "assistant"), len(first))  # multi-turn
+            prompt = first[:start]
             parts.append(f"<details><summary>{html.escape(group['item_key'])} — scores "
                          f"{html.escape(', '.join(f'{s:g}' for s in scores))}</summary>")
             parts.extend(_message_html(m) for m in prompt)
             for score, conversation in zip(scores, conversations):
                 css = "good" if score == max(scores) else "bad"
-                reply = conversation[-1] if conversation else {"role": "assistant", "content": ""}
-                parts.append(f"<p class='{css}'>score {score:g}</p>{_message_html(reply)}")
+                turns = conversation[start:] or [{"role": "assistant", "content": ""}]
+                parts.append(f"<p class='{css}'>score {score:g}</p>" + "".join(_message_html(m) for m in turns))
             parts.append("</details>")
     path.write_text("\n".join(parts), encoding="utf-8")
 

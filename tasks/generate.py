@@ -23,7 +23,7 @@ from typing import Any, Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env
+from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_messages
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.types import Completion, SamplingParams
 from factory.slurm_cluster import resolve_node_local, worker_identity
@@ -56,8 +56,9 @@ def load_tokenizer(name: str) -> Any:
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it
+    (content parts flattened: a text-only template sees `<image>` where a picture is)."""
+    ids = tokenizer.apply_chat_template(text_messages(messages), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -81,18 +82,21 @@ class ClientSampler:
             ids = self._prompt_cache[key] = prompt_ids(self.tokenizer, messages)
         return ids
 
-    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams) -> list[Completion]:
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams,
+                       prompt_ids: list[int] | None = None) -> list[Completion]:
+        """Completions of `messages`; with /generate, `prompt_ids` (a multi-turn episode's exact sequence so far)
+        is sent as it is instead of templating the messages."""
         if self.api == "generate":
-            ids = self._ids(messages)
+            ids = list(prompt_ids) if prompt_ids is not None else self._ids(messages)
             completions = await self.client.generate(ids, n=n, sampling=sampling)
             return [c if c.prompt_token_ids else _replace(c, prompt_token_ids=ids) for c in completions]
         completions = await self.client.chat(messages, n=n, sampling=sampling)
         if self.tokenizer is None:
             return completions
-        return [self._tokenize(messages, c) for c in completions]
+        return [self._tokenize(messages, c, prompt_ids) for c in completions]
 
-    def _tokenize(self, messages: list[dict[str, Any]], c: Completion) -> Completion:
-        prompt = c.prompt_token_ids or self._ids(messages)
+    def _tokenize(self, messages: list[dict[str, Any]], c: Completion, prompt_ids: list[int] | None = None) -> Completion:
+        prompt = c.prompt_token_ids or prompt_ids or self._ids(messages)
         output = c.output_token_ids
         logprobs = c.output_logprobs
         if output is None:

@@ -67,13 +67,15 @@ class GroupedChunk:
 
 
 def sequence_tokens(rollout: Rollout) -> tuple[list[int], list[int], list[float] | None]:
-    """(tokens, masks, inference_logprobs) for one rollout: prompt positions masked and given logprob 1.0."""
+    """(tokens, masks, inference_logprobs) for one rollout: prompt positions (and, in multi-turn rollouts, the
+    environment's turns) masked and given logprob 1.0; only the model's own tokens are trained on."""
     prompt = list(rollout.prompt_token_ids or [])
     output = list(rollout.output_token_ids or [])
-    masks = [MASK_IGNORE] * len(prompt) + output
+    trained = rollout.output_mask if rollout.output_mask is not None else [True] * len(output)
+    masks = [MASK_IGNORE] * len(prompt) + [t if keep else MASK_IGNORE for t, keep in zip(output, trained)]
     logprobs = None
     if rollout.output_logprobs is not None and len(rollout.output_logprobs) == len(output):
-        logprobs = [1.0] * len(prompt) + [float(x) for x in rollout.output_logprobs]
+        logprobs = [1.0] * len(prompt) + [float(x) if keep else 1.0 for x, keep in zip(rollout.output_logprobs, trained)]
     return prompt + output, masks, logprobs
 
 
@@ -107,8 +109,10 @@ def build_group(
         masks=[m for _, m, _ in sequences],
         scores=scores,
         inference_logprobs=None if any(lp is None for lp in logprobs) else logprobs,  # type: ignore[arg-type]
-        messages=[[*item.messages, {"role": "assistant", "content": r.text}] for r in rollouts],
+        messages=[r.messages if r.messages is not None else [*item.messages, {"role": "assistant", "content": r.text}]
+                  for r in rollouts],
         generation_params=generation_params,
+        images=item.info.get("images"),  # multimodal items: the prompt's pictures, kept with the group
         group_id=make_group_id(env, item.key, seed, policy_version),
         env=env,
         item_key=item.key,
