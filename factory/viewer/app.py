@@ -437,4 +437,6 @@ def create_app(config: ViewerConfig) -> ASGIApp:
         Mount("/static", app=static, name="static"),
     ])
     app.state.viewer = viewer
-    return SecurityHeaders(TokenGuard(app, config.token))
+    wrapped = SecurityHeaders(TokenGuard(app, config.token))
+    wrapped.viewer = viewer  # type: ignore[attr-defined]  # benches and tests reach the index through it
+    return wrapped

@@ -1,0 +1,229 @@
+"""view-run on a big store: cold index build, first page, each filter, text search, a group page, a live refresh.
+
+    python -m bench.viewer.run                  # 1M groups of 8 sequences x 16-48 tokens (~1.5 GB, a few minutes)
+    python -m bench.viewer.run --smoke          # 20k groups, seconds
+    python -m bench.viewer.run --groups 200000 --keep bench/out/viewer-store
+
+The store is written directly with pyarrow in the shard store's format
+(GROUP_SCHEMA, zstd, page checksums, 256-group row groups, commit log with
+size and sha256): `ShardStore.commit` validates every group in Python, which
+would take longer than the measurement. Requests go through the whole ASGI
+app in-process (Starlette's test client: routing, templates, security
+headers), so times are server time without the network. Each timed request
+clears the viewer's facet/plot cache first, so nothing is served from a
+previous answer; the index itself stays warm after the cold build, as in a
+running server. Times are medians of `--repeat` requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from factory.schema import GROUP_SCHEMA
+from factory.store import CommitRecord, shard_name
+
+FAMILIES = ("arithmetic", "sorting", "cipher", "logic_grid", "word_count", "graph_path", "binary", "date_math")
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
+
+
+def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+
+
+def shard_table(first: int, count: int, group_size: int, rng: np.random.Generator, total: int) -> pa.Table:
+    """`count` groups starting at index `first`, in GROUP_SCHEMA, built with numpy (no per-token Python)."""
+    index = np.arange(first, first + count)
+    sequences = count * group_size
+    lengths = rng.integers(16, 49, sequences)
+    inner = np.zeros(sequences + 1, dtype=np.int64)
+    np.cumsum(lengths, out=inner[1:])
+    tokens = rng.integers(0, 32000, int(inner[-1]), dtype=np.int32)
+    position = np.arange(int(inner[-1])) - np.repeat(inner[:-1], lengths)
+    masks = np.where(position < 8, -100, tokens).astype(np.int32)
+    outer = np.arange(0, sequences + 1, group_size)
+    scores = rng.choice(np.array([-0.5, 0.0, 1.0]), sequences)
+    envs = np.where(index % 4 == 3, "gsm8k", "intern_bootcamp")
+    families = [FAMILIES[i % len(FAMILIES)] for i in index]
+    keys = [f"train-{i}" if i % 4 == 3 else f"{families[n]}:{i % 5 + 1}:{i}" for n, i in enumerate(index)]
+    messages = []
+    for n, i in enumerate(index):
+        word = WORDS[i % len(WORDS)]
+        prompt = f'{{"role": "user", "content": "Task {i} ({families[n]}): repeat the word {word} {i % 7 + 1} times."}}'
+        messages.append("[" + ", ".join(
+            f'[{prompt}, {{"role": "assistant", "content": "<think>counting</think> {word} x{k} answer {i + k}"}}]'
+            for k in range(group_size)) + "]")
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    columns = {
+        "group_id": pa.array([hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in index]),
+        "run_id": pa.array(["bench"] * count),
+        "env": pa.array(envs.tolist()),
+        "item_key": pa.array(keys),
+        "policy_version": pa.array((index * 10 // max(total, 1)).astype(np.int64)),
+        "created_at": pa.array([start + timedelta(seconds=int(i)) for i in index], type=pa.timestamp("us", tz="UTC")),
+        "group_size": pa.array(np.full(count, group_size, dtype=np.int32)),
+        "tokens": _list_array(outer, _list_array(inner, pa.array(tokens))),
+        "masks": _list_array(outer, _list_array(inner, pa.array(masks))),
+        "scores": _list_array(outer, pa.array(scores)),
+        "messages": pa.array(messages, type=pa.large_string()),
+        "generation_params": pa.array(['{"temperature": 1.0}'] * count, type=pa.large_string()),
+    }
+    arrays = [columns[f.name] if f.name in columns else pa.nulls(count, type=f.type) for f in GROUP_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=GROUP_SCHEMA)
+
+
+def build_store(root: Path, groups: int, per_shard: int, group_size: int, run_id: str = "bench") -> float:
+    """Write `groups` groups as committed shards of `per_shard`; returns seconds."""
+    shards = root / run_id / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    started = time.perf_counter()
+    with open(root / run_id / "commits.jsonl", "a", encoding="utf-8") as log:
+        for chunk, first in enumerate(range(0, groups, per_shard)):
+            count = min(per_shard, groups - first)
+            commit_table(root, run_id, "bench", chunk, shard_table(first, count, group_size, rng, groups), log)
+            if chunk % 100 == 99:
+                print(f"  {first + count} groups written ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    return time.perf_counter() - started
+
+
+def commit_table(root: Path, run_id: str, producer: str, chunk: int, table: pa.Table, log) -> None:
+    """What ShardStore.commit does on disk, for an Arrow table: write, hash, rename, log."""
+    name = shard_name(producer, chunk)
+    path = root / run_id / "shards" / name
+    tmp = path.with_name(f".{name}.tmp")
+    pq.write_table(table, tmp, compression="zstd", write_page_checksum=True, row_group_size=256)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    os.replace(tmp, path)
+    record = CommitRecord(shard=name, run_id=run_id, producer=producer, chunk=chunk, rows=table.num_rows,
+                          bytes=path.stat().st_size, sha256=digest, committed_at=datetime.now(timezone.utc).isoformat())
+    log.write(record.to_json() + "\n")
+    log.flush()
+
+
+def timed(client, viewer, url: str, repeat: int) -> tuple[float, str]:
+    times, text = [], ""
+    for _ in range(repeat):
+        viewer._cache.clear()
+        started = time.perf_counter()
+        response = client.get(url)
+        times.append(time.perf_counter() - started)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}")
+        text = response.text
+    return statistics.median(times), text
+
+
+def matched(text: str) -> str:
+    start = text.find('<h3 id="matches">')
+    if start < 0:
+        return ""
+    line = text[start + len('<h3 id="matches">'): text.find("</h3>", start)]
+    return line.split("<span")[0].strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=1_000_000)
+    parser.add_argument("--per-shard", type=int, default=1000, help="Groups per shard (a datagen chunk).")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="20k groups, 1 repeat: finishes in seconds.")
+    parser.add_argument("--keep", default=None, help="Store directory to build (or reuse if it exists) and keep.")
+    parser.add_argument("--json", default=None, help="Also write the results as JSON lines here.")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.groups, args.repeat = 20_000, 1
+    from starlette.testclient import TestClient
+
+    from factory.viewer.app import ViewerConfig, create_app
+
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="viewer-bench-"))
+    results: list[dict] = []
+    try:
+        if (root / "bench" / "commits.jsonl").is_file():
+            build_s = None
+            print(f"reusing the store at {root}", file=sys.stderr)
+        else:
+            build_s = build_store(root, args.groups, args.per_shard, args.group_size)
+        size = sum(p.stat().st_size for p in (root / "bench" / "shards").glob("*.parquet"))
+        groups = sum(json.loads(line)["rows"] for line in open(root / "bench" / "commits.jsonl"))
+        app = create_app(ViewerConfig(store=str(root), text_budget_s=2.0))
+        viewer = app.viewer
+        client = TestClient(app)
+
+        started = time.perf_counter()
+        response = client.get("/run/bench")
+        cold = time.perf_counter() - started
+        assert response.status_code == 200, response.status_code
+        index = viewer.index.run("bench")
+        rows = [("first page, cold (builds the index of every shard)", cold, matched(response.text))]
+        cases = [
+            ("first page", "/run/bench"),
+            ("page 100 (offset 4950)", "/run/bench?offset=4950"),
+            ("filter env=gsm8k", "/run/bench?env=gsm8k"),
+            ("filter task family=cipher", "/run/bench?family=cipher"),
+            ("filter difficulty=3", "/run/bench?difficulty=3"),
+            ("filter score range 0.2..0.6", "/run/bench?score_min=0.2&score_max=0.6"),
+            ("filter policy version=7", "/run/bench?policy_version=7"),
+            ("all filters at once", "/run/bench?env=intern_bootcamp&family=cipher&difficulty=3&policy_version=7&score_min=0"),
+            ("text search, common ('foxtrot')", "/run/bench?text=foxtrot"),
+            ("text search, rare ('Task 1234 (')", "/run/bench?text=Task+1234+%28"),
+            ("text search + filters (cipher, 'charlie')", "/run/bench?family=cipher&text=charlie"),
+        ]
+        for name, url in cases:
+            seconds, text = timed(client, viewer, url, args.repeat)
+            rows.append((name, seconds, matched(text)))
+        last = index.frame.tail(1)
+        group_id = last["group_id"][0]
+        seconds, _ = timed(client, viewer, f"/run/bench/group/{group_id}", args.repeat)
+        rows.append(("group page", seconds, ""))
+        seconds, _ = timed(client, viewer, "/api/run/bench/status", args.repeat)
+        rows.append(("live status poll (nothing new)", seconds, ""))
+        with open(root / "bench" / "commits.jsonl", "a", encoding="utf-8") as log:
+            chunk = len(index.shards)
+            commit_table(root, "bench", "live", chunk, shard_table(groups, args.per_shard, args.group_size,
+                                                                   np.random.default_rng(1), groups), log)
+        viewer._cache.clear()
+        started = time.perf_counter()
+        text = client.get("/run/bench").text
+        rows.append(("first page after a new shard (incremental index)", time.perf_counter() - started, matched(text)))
+        index_mib = index.frame.estimated_size() / 2**20
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\nview-run on {groups:,} groups of {args.group_size} sequences x 16-48 tokens, {size / 2**30:.2f} GiB in "
+          f"{len(index.shards) - 1} shards of {args.per_shard}" + (f" (built in {build_s:.0f} s)" if build_s else ""))
+    print(f"index in RAM: {index_mib:.0f} MiB ({index_mib * 2**20 / max(groups, 1):.0f} B/group); peak RSS {peak:.0f} MiB; "
+          f"median of {args.repeat} requests, caches cleared\n")
+    print(f"| {'request':52s} | {'ms':>8s} | matches |")
+    print(f"|{'-' * 54}|{'-' * 10}|---------|")
+    for name, seconds, match in rows:
+        print(f"| {name:52s} | {seconds * 1000:8.1f} | {match} |")
+        results.append({"bench": "viewer", "request": name, "ms": round(seconds * 1000, 2), "matches": match,
+                        "groups": groups})
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as out:
+            for row in results:
+                out.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
