@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode
@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from factory.store import ShardStore
 from factory.viewer import plots
+from factory.viewer.columns import Columns, histogram
 from factory.viewer.index import Filters, RunIndex, StoreIndex
 from factory.viewer.render import environment, group_view
 
@@ -68,8 +69,10 @@ class ViewerConfig:
     page_size: int = 50
     text_budget_s: float = 2.0
     """Most seconds a text search scans shards before answering with what it found so far."""
-    poll_s: float = 2.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    index_budget_s: float = 0.3
+    """Most seconds a request spends indexing new shards (newest first); the rest is indexed in the background."""
+    background_index: bool = True
+    """Index the rest of a run in a background thread (else each request indexes its budget's worth)."""
 
 
 def prefect_ui_url(configured: str | None = None) -> str:
@@ -155,23 +158,33 @@ class Viewer:
         self.templates = environment()
         self.prefect_ui = prefect_ui_url(config.prefect_ui)
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self._warmer: threading.Thread | None = None
+        self._background: threading.Thread | None = None
+        self._todo: set[str] = set()
+        self._todo_lock = threading.Lock()
 
-    def _warm(self, run_ids: list[str]) -> None:
-        """Index runs in a background thread (at most one at a time), so the runs list answers at once."""
-        if not run_ids or (self._warmer is not None and self._warmer.is_alive()):
-            return
+    def _index_in_background(self, run_ids: list[str]) -> None:
+        """Finish indexing these runs in one background thread, a slice at a time so pages keep answering."""
+        with self._todo_lock:
+            self._todo.update(run_ids)
+            if not self._todo or (self._background is not None and self._background.is_alive()):
+                return
 
-        def work() -> None:
-            for run_id in run_ids:
-                try:
-                    self.index.run(run_id)
-                except Exception:  # a run that cannot be indexed shows its problem on its own page
-                    logger.exception("indexing run %s failed", run_id)
+            def work() -> None:
+                while True:
+                    with self._todo_lock:
+                        if not self._todo:
+                            return
+                        run_id = self._todo.pop()
+                    try:
+                        index = self.index.run(run_id, budget_s=0.25)
+                        while index.pending:
+                            time.sleep(0.005)  # let waiting requests take the index lock
+                            index.refresh(budget_s=0.25)
+                    except Exception:  # a run that cannot be indexed shows its problem on its own page
+                        logger.exception("indexing run %s failed", run_id)
 
-        self._warmer = threading.Thread(target=work, name="view-run-index", daemon=True)
-        self._warmer.start()
-        self._warmer.join(timeout=1.0)
+            self._background = threading.Thread(target=work, name="view-run-index", daemon=True)
+            self._background.start()
 
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
         if key in self._cache:
@@ -192,10 +205,14 @@ class Viewer:
                             status_code=404)
 
     def run_index(self, run_id: str) -> RunIndex | None:
+        """The run's index after at most `index_budget_s` of indexing; the rest continues in the background."""
         try:
-            return self.index.run(run_id)
+            index = self.index.run(run_id, budget_s=self.config.index_budget_s)
         except (KeyError, ValueError):
             return None
+        if index.pending and self.config.background_index:
+            self._index_in_background([run_id])
+        return index
 
     # ---- routes ----
     def home(self, request: Request) -> Response:
@@ -203,15 +220,15 @@ class Viewer:
             return RedirectResponse(f"{request.scope.get('root_path', '')}/run/{quote(self.config.run)}", status_code=307)
         runs = []
         run_ids = self.index.run_ids()
-        self._warm([r for r in run_ids if self.index.indexed(r) is None])
+        self._index_in_background([r for r in run_ids if self.index.indexed(r) is None])
         for run_id in run_ids:
             index = self.index.indexed(run_id)
             groups, shards = self.index.commit_counts(run_id)
             envs = None
             if index is not None and index.lock.acquire(blocking=False):
                 try:  # a run being indexed right now shows "indexing…" instead of blocking the list
-                    index.refresh()
-                    envs = self._facets(index)["envs"]
+                    index.refresh(budget_s=0.0)
+                    envs = None if index.pending else self._facets(index)["envs"]
                 finally:
                     index.lock.release()
             metrics_path, _ = index.train_metrics() if index is not None else (None, [])
@@ -225,47 +242,38 @@ class Viewer:
         index = self.run_index(request.path_params["run"])
         if index is None:
             return JSONResponse({"detail": "no such run"}, status_code=404)
-        return JSONResponse({"run": index.run_id, "groups": index.frame.height, "shards": len(index.shards),
-                             "problems": len(index.problems)})
+        return JSONResponse({"run": index.run_id, "groups": index.columns.size, "shards": len(index.shards),
+                             "pending_shards": index.pending, "problems": len(index.problems)})
 
     def _facets(self, index: RunIndex) -> dict[str, Any]:
-        frame = index.frame
+        columns = index.columns
 
         def make() -> dict[str, Any]:
-            def counts(column: str) -> list[tuple[Any, int]]:
-                table = frame.group_by(column).len().sort(column, nulls_last=True)
-                return [(value, n) for value, n in table.iter_rows() if value is not None]
+            return {"envs": columns.counts("env"), "families": columns.counts("family"),
+                    "difficulties": [d for d, _ in columns.counts("difficulty")],
+                    "versions": [v for v, _ in columns.counts("policy_version")]}
 
-            return {"envs": counts("env"), "families": counts("family"),
-                    "difficulties": [d for d, _ in counts("difficulty")],
-                    "versions": [v for v, _ in counts("policy_version")]}
+        return self._cached(("facets", index.run_id, id(columns)), make)
 
-        return self._cached(("facets", index.run_id, id(frame), frame.height), make)
-
-    def _plots(self, index: RunIndex, filters: Filters, filtered: pl.DataFrame) -> list[Any]:
-        frame = index.frame
-        key = ("plots", index.run_id, id(frame), frame.height, filters.expression() is not None and str(filters.as_query()))
+    def _plots(self, index: RunIndex, filters: Filters, mask: np.ndarray | None) -> list[Any]:
+        columns = index.columns
+        query = {k: v for k, v in filters.as_query().items() if k != "text"}
 
         def make() -> list[Any]:
             out = []
-            scores = filtered["scores"].explode().drop_nulls().to_numpy()
-            if len(scores):
-                low, high = float(scores.min()), float(scores.max())
-                counts, edges = np.histogram(scores, bins=20, range=(low, high if high > low else low + 1))
-                out.append(plots.histogram(counts.tolist(), edges.tolist(), "score per completion", "score"))
-            else:
-                out.append(plots.empty_plot("score per completion"))
-            lengths = filtered["lengths"].explode().drop_nulls().to_numpy()
-            if len(lengths):
-                low, high = float(lengths.min()), float(lengths.max())
-                counts, edges = np.histogram(lengths, bins=20, range=(low, high if high > low else low + 1))
-                out.append(plots.histogram(counts.tolist(), edges.tolist(), "length per completion", "tokens"))
-            else:
-                out.append(plots.empty_plot("length per completion"))
-            out.append(reward_over_time(filtered))
+            chosen = None if mask is None else mask[columns.owner]
+            for values, title, label in ((columns.scores, "score per completion", "score"),
+                                         (columns.lengths, "length per completion", "tokens")):
+                values = values if chosen is None else values[chosen]
+                if len(values):
+                    counts, edges = histogram(values)
+                    out.append(plots.histogram(counts, edges, title, label))
+                else:
+                    out.append(plots.empty_plot(title))
+            out.append(reward_over_time(columns, mask))
             return out
 
-        return self._cached(key, make)
+        return self._cached(("plots", index.run_id, id(columns), tuple(sorted(query.items()))), make)
 
     def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run"]
@@ -282,21 +290,25 @@ class Viewer:
         except ValueError:
             offset = 0
         limit = self.config.page_size
-        filtered = index.filtered(filters)
-        newest_first = filtered.reverse()
+        with index.lock:  # one consistent snapshot while the background indexer adds shards
+            columns, pending, shards = index.columns, index.pending, len(index.shards)
+        mask = columns.mask(filters)
+        # Newest first: positions in reverse commit order.
+        newest_first = (np.arange(columns.size - 1, -1, -1) if mask is None else np.flatnonzero(mask)[::-1])
         note = ""
         if filters.text:
-            rows, matched, exact, note = search_text(index, newest_first, filters.text, offset, limit,
-                                                     self.config.text_budget_s)
+            page_positions, matched, exact, note = search_text(index, newest_first, filters.text, offset, limit,
+                                                               self.config.text_budget_s)
         else:
-            rows, matched, exact = newest_first.slice(offset, limit), newest_first.height, True
+            page_positions, matched, exact = newest_first[offset: offset + limit], len(newest_first), True
+        rows = index.rows_at(page_positions)
         payload = index.read_rows(rows, ["messages"]) if rows.height else []
         row_dicts = []
         for row, extra in zip(rows.iter_rows(named=True), payload):
             row["preview"] = prompt_preview(extra.get("messages"))
             row_dicts.append(row)
         facets = self._facets(index)
-        plot_list = list(self._plots(index, filters, filtered))
+        plot_list = list(self._plots(index, filters, mask))
         metrics_path, metrics = index.train_metrics()
         if metrics_path is not None:
             plot_list.append(trainer_curve(metrics))
@@ -307,7 +319,7 @@ class Viewer:
         flow_runs = [{**fr, "url": f"{self.prefect_ui}/runs/flow-run/{quote(fr['id'])}" if _UUID.match(fr["id"]) else None}
                      for fr in index.flow_runs()]
         return self.page(
-            request, "run.html", run_id=run_id, total=index.frame.height, shards=len(index.shards),
+            request, "run.html", run_id=run_id, total=columns.size, shards=shards, pending=pending,
             problems=sorted(index.problems.items()), envs=facets["envs"], families=facets["families"],
             difficulties=facets["difficulties"], versions=facets["versions"], drops=index.drops(),
             flow_runs=flow_runs, filters=filters, error=error, plots=plot_list, rows=row_dicts, matched=matched,
@@ -351,64 +363,64 @@ def prompt_preview(messages: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def search_text(index: RunIndex, ordered: pl.DataFrame, needle: str, offset: int, limit: int,
-                budget_s: float) -> tuple[pl.DataFrame, int, bool, str]:
-    """Rows of `ordered` whose messages, item key or group id contain `needle` (case-insensitive).
+def search_text(index: RunIndex, newest_first: np.ndarray, needle: str, offset: int, limit: int,
+                budget_s: float) -> tuple[np.ndarray, int, bool, str]:
+    """Positions among `newest_first` whose messages, item key or group id contain `needle` (case-insensitive).
 
-    Shards are scanned in page order and the scan stops once the page (plus
-    one row, to know whether there is a next page) is full or `budget_s` has
-    passed; then the count is a lower bound. Returns (page rows, matches
+    Shards are scanned in page order, reading only the `messages` of the
+    candidate rows' row groups; the scan stops once the page (plus one row,
+    to know whether there is a next page) is full or `budget_s` has passed,
+    and then the count is a lower bound. Returns (page positions, matches
     found, whether that count is exact, a note).
     """
     started = time.monotonic()
     want = offset + limit + 1
     lowered = needle.lower()
-    key_hits = (ordered["item_key"].str.to_lowercase().str.contains(lowered, literal=True)
-                | ordered["group_id"].str.starts_with(lowered)).to_numpy()
-    shards = ordered["shard"].to_numpy()
+    columns = index.columns
+    shards = columns.shard[newest_first]
     bounds = np.concatenate([[0], np.flatnonzero(np.diff(shards)) + 1, [len(shards)]]).astype(int)
     found: list[np.ndarray] = []
-    n_found = 0
-    scanned_to = 0
+    n_found = scanned_to = 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         if n_found >= want or (time.monotonic() - started > budget_s and start > 0):
             break
-        segment = ordered.slice(int(start), int(end - start))
-        table = index.read_table(int(shards[start]), segment["row"].to_list(), ["messages"])
-        hits = pc.fill_null(pc.match_substring(table.column("messages"), needle, ignore_case=True), False).to_numpy(
-            zero_copy_only=False) | key_hits[start:end]
-        positions = np.flatnonzero(hits) + start
-        found.append(positions)
-        n_found += len(positions)
+        positions = newest_first[start:end]
+        rows = columns.row[positions]
+        table = index.read_table(int(shards[start]), rows.tolist(), ["messages", "item_key", "group_id"])
+        hits = pc.fill_null(pc.match_substring(table.column("messages"), needle, ignore_case=True), False)
+        hits = pc.or_(hits, pc.match_substring(table.column("item_key"), needle, ignore_case=True))
+        hits = pc.or_(hits, pc.starts_with(table.column("group_id"), lowered))
+        matches = positions[hits.to_numpy(zero_copy_only=False)]
+        found.append(matches)
+        n_found += len(matches)
         scanned_to = int(end)
-    positions = np.concatenate(found) if found else np.array([], dtype=int)
+    hits_all = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     exact = scanned_to >= len(shards)
-    page = ordered[positions[offset: offset + limit].tolist()] if len(positions) > offset else ordered.clear()
     if exact:
         note = ""
     elif n_found >= want:
         note = f"stopped after a full page; scanned {scanned_to} of {len(shards)} groups"
     else:
         note = f"scan stopped after {budget_s:g} s; scanned {scanned_to} of {len(shards)} groups"
-    return page, n_found, exact, note
+    return hits_all[offset: offset + limit], n_found, exact, note
 
 
-def reward_over_time(frame: pl.DataFrame, buckets: int = 40) -> Any:
+def reward_over_time(columns: Columns, mask: np.ndarray | None, buckets: int = 40) -> Any:
     """Mean group score per time bucket (minutes since the first group)."""
-    if frame.height == 0:
+    seconds = columns.created_s if mask is None else columns.created_s[mask]
+    scores = columns.score_mean if mask is None else columns.score_mean[mask]
+    if len(seconds) == 0:
         return plots.empty_plot("reward over time")
-    seconds = frame["created_at"].dt.epoch("ms").to_numpy() / 1000.0
-    scores = frame["score_mean"].to_numpy()
     start, end = float(seconds.min()), float(seconds.max())
     if end - start < 1e-9:
         return plots.lines({"mean score": ([0.0], [float(np.nanmean(scores))])}, "reward over time", "minutes")
-    edges = np.linspace(start, end, buckets + 1)
-    which = np.clip(np.searchsorted(edges, seconds, side="right") - 1, 0, buckets - 1)
-    sums = np.bincount(which, weights=scores, minlength=buckets)
+    which = np.minimum(((seconds - start) * (buckets / (end - start))).astype(np.int64), buckets - 1)
+    sums = np.bincount(which, weights=np.nan_to_num(scores), minlength=buckets)
     counts = np.bincount(which, minlength=buckets)
-    xs = [(edges[i] + edges[i + 1]) / 2 for i in range(buckets) if counts[i]]
+    width = (end - start) / buckets
+    xs = [(i + 0.5) * width / 60 for i in range(buckets) if counts[i]]
     ys = [sums[i] / counts[i] for i in range(buckets) if counts[i]]
-    return plots.lines({"mean score": ([(x - start) / 60 for x in xs], ys)}, "reward over time", "minutes")
+    return plots.lines({"mean score": (xs, ys)}, "reward over time", "minutes")
 
 
 def trainer_curve(metrics: list[dict[str, Any]]) -> Any:

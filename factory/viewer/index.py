@@ -20,17 +20,20 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from factory.store import CommitRecord, ShardStore
+from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
+from factory.viewer.query import Filters
 
 logger = logging.getLogger(__name__)
 
@@ -39,59 +42,6 @@ TRAIN_METRICS_PATHS = ("train/metrics.jsonl", "metrics.jsonl")
 """Where a run's trainer metrics are looked up, relative to `<store>/<run>/`, first found wins."""
 _CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
 _RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
-
-
-@dataclass(frozen=True)
-class Filters:
-    """What the groups list is narrowed to; None means any. Scores filter the group's mean score."""
-
-    env: str | None = None
-    family: str | None = None
-    difficulty: int | None = None
-    policy_version: int | None = None
-    score_min: float | None = None
-    score_max: float | None = None
-    text: str | None = None
-
-    @classmethod
-    def from_query(cls, params: Mapping[str, str]) -> Filters:
-        """Filters from URL query parameters; empty values mean any, a bad number raises naming the parameter."""
-        values: dict[str, Any] = {}
-        for spec in fields(cls):
-            raw = (params.get(spec.name) or "").strip()
-            if not raw:
-                continue
-            kind = {"difficulty": int, "policy_version": int, "score_min": float, "score_max": float}.get(spec.name, str)
-            try:
-                values[spec.name] = kind(raw)
-            except ValueError:
-                raise ValueError(f"filter {spec.name}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
-        return cls(**values)
-
-    def as_query(self) -> dict[str, str]:
-        return {spec.name: str(value) for spec in fields(self) if (value := getattr(self, spec.name)) is not None}
-
-    def expression(self) -> pl.Expr | None:
-        """The index-side part of the filter (everything but text search)."""
-        parts = []
-        if self.env is not None:
-            parts.append(pl.col("env") == self.env)
-        if self.family is not None:
-            parts.append(pl.col("family") == self.family)
-        if self.difficulty is not None:
-            parts.append(pl.col("difficulty") == self.difficulty)
-        if self.policy_version is not None:
-            parts.append(pl.col("policy_version") == self.policy_version)
-        if self.score_min is not None:
-            parts.append(pl.col("score_mean") >= self.score_min)
-        if self.score_max is not None:
-            parts.append(pl.col("score_mean") <= self.score_max)
-        if not parts:
-            return None
-        expression = parts[0]
-        for part in parts[1:]:
-            expression = expression & part
-        return expression
 
 
 def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
@@ -150,9 +100,16 @@ class RunIndex:
         self.by_id: list[ShardEntry] = []
         self.problems: dict[str, str] = {}
         self._frames: dict[str, pl.DataFrame] = {}
+        self._columns_of: dict[str, ShardColumns] = {}
         self._frame: pl.DataFrame | None = None
+        self._columns: Columns | None = None
+        self._envs, self._families = Codes(), Codes()
         self._log_key: tuple[int, int] | None = None
+        self._log_inode: int | None = None
         self._log_offset = 0
+        self._seq = 0
+        self._order: dict[str, int] = {}
+        self._pending: dict[str, CommitRecord] = {}
         self._stats_key: tuple[tuple[str, int], ...] = ()
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.run_stats: dict[str, dict[str, Any]] = {}
@@ -161,51 +118,80 @@ class RunIndex:
         self.lock = threading.RLock()
 
     # ---- keeping up with the commit log ----
-    def refresh(self) -> int:
-        """Index shards committed since the last refresh; returns how many groups were added."""
+    def refresh(self, budget_s: float | None = None) -> int:
+        """Read new commit-log lines and index pending shards, newest first; returns how many groups were added.
+
+        With `budget_s`, indexing stops once that many seconds have passed
+        (at least one shard is indexed per call) and the rest stay `pending`,
+        so a page of a huge, never-seen run answers at once; call again (the
+        viewer does, from a background thread) to index the rest.
+        """
+        started = time.monotonic()
         with self.lock:
-            log = self.store.commit_log(self.run_id)
-            try:
-                stat = log.stat()
-            except FileNotFoundError:
-                return 0
-            key = (stat.st_ino, stat.st_size)
-            if key == self._log_key:
-                return 0
-            if self._log_key is not None and (stat.st_ino != self._log_key[0] or stat.st_size < self._log_offset):
-                self._reset()
-            added = 0
-            with open(log, "rb") as handle:
-                handle.seek(self._log_offset)
-                data = handle.read(stat.st_size - self._log_offset)
-            complete = data[: data.rfind(b"\n") + 1]
-            self._log_offset += len(complete)
-            self._log_key = (stat.st_ino, self._log_offset) if self._log_offset == stat.st_size else None
-            for line in complete.splitlines():
-                try:
-                    record = CommitRecord(**json.loads(line))
-                except (ValueError, TypeError) as error:
-                    logger.error("%s: unreadable commit record left out: %s", log, error)
-                    continue
+            self._read_log()
+            added = indexed = 0
+            while self._pending:
+                if budget_s is not None and indexed and time.monotonic() - started > budget_s:
+                    break
+                name = next(reversed(self._pending))
+                record = self._pending.pop(name)
                 added += self._add(record)
-            if added or self._frame is None:
-                self._frame = None
+                indexed += 1
+                self._frame = self._columns = None
             self._refresh_stats()
             return added
+
+    @property
+    def pending(self) -> int:
+        """Committed shards not indexed yet."""
+        return len(self._pending)
+
+    def _read_log(self) -> None:
+        log = self.store.commit_log(self.run_id)
+        try:
+            stat = log.stat()
+        except FileNotFoundError:
+            return
+        if (stat.st_ino, stat.st_size) == self._log_key:
+            return
+        if self._log_inode is not None and (stat.st_ino != self._log_inode or stat.st_size < self._log_offset):
+            self._reset()
+        self._log_inode = stat.st_ino
+        with open(log, "rb") as handle:
+            handle.seek(self._log_offset)
+            data = handle.read(stat.st_size - self._log_offset)
+        complete = data[: data.rfind(b"\n") + 1]
+        self._log_offset += len(complete)
+        self._log_key = (stat.st_ino, self._log_offset) if self._log_offset == stat.st_size else None
+        for line in complete.splitlines():
+            try:
+                record = CommitRecord(**json.loads(line))
+            except (ValueError, TypeError) as error:
+                logger.error("%s: unreadable commit record left out: %s", log, error)
+                continue
+            # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
+            self._seq += 1
+            self._order[record.shard] = self._seq
+            self._columns_of.pop(record.shard, None)
+            if self.shards.pop(record.shard, None) is not None or self._frames.pop(record.shard, None) is not None:
+                self._frame = self._columns = None
+            self._pending.pop(record.shard, None)
+            self._pending[record.shard] = record
 
     def _reset(self) -> None:
         self.shards.clear()
         self.by_id.clear()
         self.problems.clear()
         self._frames.clear()
-        self._frame = None
+        self._columns_of.clear()
+        self._pending.clear()
+        self._order.clear()
+        self._frame = self._columns = None
         self._log_offset = 0
+        self._log_key = None
 
     def _add(self, record: CommitRecord) -> int:
         path = self.store.shards_dir(self.run_id) / record.shard
-        old = self.shards.pop(record.shard, None)
-        if old is not None:
-            self._frames.pop(record.shard, None)
         self.problems.pop(str(path), None)
         try:
             size = path.stat().st_size
@@ -225,6 +211,7 @@ class RunIndex:
         self.by_id.append(entry)
         self.shards[record.shard] = entry
         self._frames[record.shard] = frame
+        self._columns_of[record.shard] = shard_columns(frame, self._envs, self._families)
         return frame.height
 
     def _refresh_stats(self) -> None:
@@ -250,15 +237,45 @@ class RunIndex:
         """All indexed groups in commit order."""
         with self.lock:
             if self._frame is None:
-                frames = list(self._frames.values())
+                frames = [self._frames[name] for name in sorted(self._frames, key=self._order.__getitem__)]
                 self._frame = pl.concat(frames, how="vertical_relaxed") if frames else _EMPTY
             return self._frame
 
+    @property
+    def columns(self) -> Columns:
+        """All indexed groups as numpy columns, in commit order (the same order as `frame`)."""
+        with self.lock:
+            if self._columns is None:
+                names = sorted(self._columns_of, key=self._order.__getitem__)
+                self._columns = Columns.concat([(self.shards[n].shard_id, self._columns_of[n]) for n in names],
+                                               self._envs, self._families)
+            return self._columns
+
     # ---- what the pages ask ----
+    def select(self, filters: Filters) -> np.ndarray | None:
+        """Positions (in commit order) of the groups that pass the index-side filters; None for all."""
+        mask = self.columns.mask(filters)
+        return None if mask is None else np.flatnonzero(mask)
+
     def filtered(self, filters: Filters) -> pl.DataFrame:
-        expression = filters.expression()
-        frame = self.frame
-        return frame if expression is None else frame.filter(expression)
+        """The index rows that pass the index-side filters (for tests and notebooks; pages use `select`)."""
+        positions = self.select(filters)
+        return self.frame if positions is None else self.rows_at(positions)
+
+    def rows_at(self, positions: np.ndarray | list[int]) -> pl.DataFrame:
+        """Index rows at these positions, in the order given, gathered from each shard's small frame."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) == 0:
+            return self.frame.clear()
+        columns = self.columns
+        shard_ids, rows = columns.shard[positions], columns.row[positions]
+        frames_by_id = {entry.shard_id: self._frames[name] for name, entry in self.shards.items() if name in self._frames}
+        pieces, start = [], 0
+        breaks = np.flatnonzero(np.diff(shard_ids)) + 1
+        for end in [*breaks.tolist(), len(positions)]:
+            pieces.append(frames_by_id[int(shard_ids[start])][rows[start:end].tolist()])
+            start = end
+        return pl.concat(pieces, how="vertical_relaxed") if len(pieces) > 1 else pieces[0]
 
     def drops(self) -> dict[str, Any]:
         """Kept and dropped groups by reason: summed over chunk stats, else the producer's summary."""
@@ -386,13 +403,13 @@ class StoreIndex:
                 names.add(path.name)
         return sorted(names)
 
-    def run(self, run_id: str) -> RunIndex:
-        """The run's index, refreshed; KeyError when the store has no such run."""
+    def run(self, run_id: str, budget_s: float | None = None) -> RunIndex:
+        """The run's index, refreshed (within `budget_s`, see `RunIndex.refresh`); KeyError for an unknown run."""
         if run_id not in self._runs and run_id not in self.run_ids():
             raise KeyError(run_id)
         with self._lock:
             index = self._runs.setdefault(run_id, RunIndex(self.store, run_id))
-        index.refresh()
+        index.refresh(budget_s)
         return index
 
     def indexed(self, run_id: str) -> RunIndex | None:

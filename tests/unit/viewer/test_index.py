@@ -114,3 +114,11 @@ def test_store_index_lists_runs_and_refuses_unknown_ones(store):
     assert stores.run("run-1").frame.height == 60
     with pytest.raises(KeyError):
         stores.run("nope")
+
+
+def test_a_budgeted_refresh_indexes_newest_shards_first_and_keeps_commit_order(store):
+    index = RunIndex(store, "run-1")
+    assert index.refresh(budget_s=0) == 20
+    assert index.pending == 2 and set(index.frame["policy_version"]) == {2}  # the newest chunk
+    assert index.refresh() == 40 and index.pending == 0
+    assert index.frame["policy_version"].to_list() == [0] * 20 + [1] * 20 + [2] * 20

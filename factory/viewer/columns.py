@@ -1,0 +1,149 @@
+"""The run index as flat numpy columns: what filters, facets and plots scan (a million groups in milliseconds).
+
+Strings (env, task family) are small integer codes; a missing difficulty is
+-1; per-completion scores and lengths are flat arrays with the position of
+their group beside them, so a filter's mask selects completions by fancy
+indexing instead of exploding lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from factory.viewer.query import Filters
+
+
+class Codes:
+    """A growing string -> small int dictionary shared by all shards of a run."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ids: dict[str, int] = {}
+
+    def encode(self, series: pl.Series) -> np.ndarray:
+        for value in series.unique().to_list():
+            if value not in self.ids:
+                self.ids[value] = len(self.names)
+                self.names.append(value)
+        return series.replace_strict(self.ids, return_dtype=pl.Int32).to_numpy()
+
+
+@dataclass
+class ShardColumns:
+    """One shard's columns, made when the shard is indexed."""
+
+    env: np.ndarray
+    family: np.ndarray
+    difficulty: np.ndarray
+    policy_version: np.ndarray
+    score_mean: np.ndarray
+    created_s: np.ndarray
+    group_size: np.ndarray
+    scores: np.ndarray
+    lengths: np.ndarray
+
+
+def shard_columns(frame: pl.DataFrame, envs: Codes, families: Codes) -> ShardColumns:
+    return ShardColumns(
+        env=envs.encode(frame["env"]),
+        family=families.encode(frame["family"]),
+        difficulty=frame["difficulty"].fill_null(-1).cast(pl.Int32).to_numpy(),
+        policy_version=frame["policy_version"].cast(pl.Int64).to_numpy(),
+        score_mean=frame["score_mean"].fill_null(float("nan")).cast(pl.Float64).to_numpy(),
+        created_s=(frame["created_at"].dt.epoch("ms").cast(pl.Float64) / 1000.0).to_numpy(),
+        group_size=frame["group_size"].cast(pl.Int64).to_numpy(),
+        scores=frame["scores"].explode().drop_nulls().cast(pl.Float64).to_numpy(),
+        lengths=frame["lengths"].explode().drop_nulls().cast(pl.Int64).to_numpy(),
+    )
+
+
+@dataclass
+class Columns:
+    """All indexed groups of a run, in commit order (position i is the i-th group)."""
+
+    shard: np.ndarray
+    row: np.ndarray
+    env: np.ndarray
+    family: np.ndarray
+    difficulty: np.ndarray
+    policy_version: np.ndarray
+    score_mean: np.ndarray
+    created_s: np.ndarray
+    scores: np.ndarray
+    lengths: np.ndarray
+    owner: np.ndarray
+    """Position of the group of each completion in `scores` and `lengths`."""
+    env_names: list[str]
+    family_names: list[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.shard)
+
+    @classmethod
+    def concat(cls, parts: list[tuple[int, ShardColumns]], envs: Codes, families: Codes) -> Columns:
+        """Columns of (shard id, shard columns) pairs, in the order given."""
+        def cat(name: str, dtype: type) -> np.ndarray:
+            arrays = [getattr(part, name) for _, part in parts]
+            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+
+        sizes = [len(part.env) for _, part in parts]
+        shard = np.repeat(np.array([shard_id for shard_id, _ in parts], dtype=np.int64), sizes) if parts else np.zeros(0, np.int64)
+        row = np.concatenate([np.arange(n) for n in sizes]) if parts else np.zeros(0, np.int64)
+        group_size = cat("group_size", np.int64)
+        return cls(
+            shard=shard, row=row, env=cat("env", np.int32), family=cat("family", np.int32),
+            difficulty=cat("difficulty", np.int32), policy_version=cat("policy_version", np.int64),
+            score_mean=cat("score_mean", np.float64), created_s=cat("created_s", np.float64),
+            scores=cat("scores", np.float64), lengths=cat("lengths", np.int64),
+            owner=np.repeat(np.arange(len(group_size)), group_size),
+            env_names=list(envs.names), family_names=list(families.names),
+        )
+
+    def mask(self, filters: Filters) -> np.ndarray | None:
+        """Which groups pass the index-side filters (everything but text); None when nothing filters."""
+        mask = None
+
+        def narrow(condition: np.ndarray) -> None:
+            nonlocal mask
+            mask = condition if mask is None else mask & condition
+
+        if filters.env is not None:
+            code = self.env_names.index(filters.env) if filters.env in self.env_names else -2
+            narrow(self.env == code)
+        if filters.family is not None:
+            code = self.family_names.index(filters.family) if filters.family in self.family_names else -2
+            narrow(self.family == code)
+        if filters.difficulty is not None:
+            narrow(self.difficulty == filters.difficulty)
+        if filters.policy_version is not None:
+            narrow(self.policy_version == filters.policy_version)
+        if filters.score_min is not None:
+            narrow(self.score_mean >= filters.score_min)
+        if filters.score_max is not None:
+            narrow(self.score_mean <= filters.score_max)
+        return mask
+
+    def counts(self, name: str) -> list[tuple[object, int]]:
+        """(value, groups) for env, family, difficulty or policy_version, sorted by value."""
+        values = getattr(self, name)
+        if name in ("env", "family"):
+            names = self.env_names if name == "env" else self.family_names
+            counts = np.bincount(values, minlength=len(names)) if len(values) else np.zeros(len(names), int)
+            return sorted((names[code], int(n)) for code, n in enumerate(counts) if n)
+        present = values[values >= 0] if name == "difficulty" else values
+        uniques, counts = np.unique(present, return_counts=True)
+        return [(int(u), int(n)) for u, n in zip(uniques, counts)]
+
+
+def histogram(values: np.ndarray, bins: int = 20) -> tuple[list[int], list[float]]:
+    """Counts and edges of `bins` equal bins over the values' range (bincount: ~10x faster than np.histogram)."""
+    low, high = float(values.min()), float(values.max())
+    if high <= low:
+        high = low + 1.0
+    which = np.minimum(((values - low) * (bins / (high - low))).astype(np.int64), bins - 1)
+    counts = np.bincount(which, minlength=bins)
+    return counts.tolist(), np.linspace(low, high, bins + 1).tolist()
