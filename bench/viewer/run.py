@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             build_s = build_store(root, args.groups, args.per_shard, args.group_size)
         size = sum(p.stat().st_size for p in (root / "bench" / "shards").glob("*.parquet"))
         groups = sum(json.loads(line)["rows"] for line in open(root / "bench" / "commits.jsonl"))
-        app = create_app(ViewerConfig(store=str(root), text_budget_s=2.0))
+        app = create_app(ViewerConfig(store=str(root)))
         viewer = app.viewer
         client = TestClient(app)
 

@@ -67,7 +67,7 @@ class ViewerConfig:
     token: str | None = None
     prefect_ui: str | None = None
     page_size: int = 50
-    text_budget_s: float = 2.0
+    text_budget_s: float = 1.0
     """Most seconds a text search scans shards before answering with what it found so far."""
     index_budget_s: float = 0.3
     """Most seconds a request spends indexing new shards (newest first); the rest is indexed in the background."""
@@ -261,10 +261,13 @@ class Viewer:
 
         def make() -> list[Any]:
             out = []
-            chosen = None if mask is None else mask[columns.owner]
-            for values, title, label in ((columns.scores, "score per completion", "score"),
-                                         (columns.lengths, "length per completion", "tokens")):
-                values = values if chosen is None else values[chosen]
+            positions = None if mask is None else np.flatnonzero(mask)
+            chosen, used = columns.completions(positions)
+            total = columns.size if positions is None else len(positions)
+            sampled = f" ({used:,} of {total:,} groups)" if used < total else ""
+            for values, title, label in ((columns.scores, "score per completion" + sampled, "score"),
+                                         (columns.lengths, "length per completion" + sampled, "tokens")):
+                values = values[chosen]
                 if len(values):
                     counts, edges = histogram(values)
                     out.append(plots.histogram(counts, edges, title, label))

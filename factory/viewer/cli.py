@@ -34,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ViewerConfig:
     parser.add_argument("--prefect-ui", default=None,
                         help="Prefect UI base URL for flow-run links (default $PREFECT_UI_URL, else $PREFECT_API_URL without /api).")
     parser.add_argument("--page-size", type=int, default=50, help="Groups per page.")
-    parser.add_argument("--text-budget-s", type=float, default=2.0, help="Seconds a text search may scan before answering.")
+    parser.add_argument("--text-budget-s", type=float, default=1.0, help="Seconds a text search may scan before answering.")
     args = parser.parse_args(argv)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     if args.host not in LOCAL_HOSTS and token is None and not args.insecure_no_token:

@@ -15,6 +15,9 @@ import polars as pl
 
 from factory.viewer.query import Filters
 
+PLOT_GROUPS = 100_000
+"""Per-completion histograms of more groups than this use this many, taken evenly over them (and say so)."""
+
 
 class Codes:
     """A growing string -> small int dictionary shared by all shards of a run."""
@@ -56,7 +59,7 @@ def shard_columns(frame: pl.DataFrame, envs: Codes, families: Codes) -> ShardCol
         created_s=(frame["created_at"].dt.epoch("ms").cast(pl.Float64) / 1000.0).to_numpy(),
         group_size=frame["group_size"].cast(pl.Int64).to_numpy(),
         scores=frame["scores"].explode().drop_nulls().cast(pl.Float64).to_numpy(),
-        lengths=frame["lengths"].explode().drop_nulls().cast(pl.Int64).to_numpy(),
+        lengths=frame["lengths"].explode().drop_nulls().cast(pl.Int32).to_numpy(),
     )
 
 
@@ -74,8 +77,9 @@ class Columns:
     created_s: np.ndarray
     scores: np.ndarray
     lengths: np.ndarray
-    owner: np.ndarray
-    """Position of the group of each completion in `scores` and `lengths`."""
+    first: np.ndarray
+    """Where each group's completions start in `scores` and `lengths`."""
+    group_size: np.ndarray
     env_names: list[str]
     family_names: list[str]
 
@@ -98,8 +102,9 @@ class Columns:
             shard=shard, row=row, env=cat("env", np.int32), family=cat("family", np.int32),
             difficulty=cat("difficulty", np.int32), policy_version=cat("policy_version", np.int64),
             score_mean=cat("score_mean", np.float64), created_s=cat("created_s", np.float64),
-            scores=cat("scores", np.float64), lengths=cat("lengths", np.int64),
-            owner=np.repeat(np.arange(len(group_size)), group_size),
+            scores=cat("scores", np.float64), lengths=cat("lengths", np.int32),
+            first=np.concatenate([[0], np.cumsum(group_size)[:-1]]).astype(np.int64) if len(group_size) else np.zeros(0, np.int64),
+            group_size=group_size,
             env_names=list(envs.names), family_names=list(families.names),
         )
 
@@ -127,6 +132,18 @@ class Columns:
             narrow(self.score_mean <= filters.score_max)
         return mask
 
+    def completions(self, positions: np.ndarray | None, most: int = PLOT_GROUPS) -> tuple[np.ndarray, int]:
+        """Indexes into `scores`/`lengths` of the completions of these groups (None: all), from at most `most`
+        groups taken evenly over them; returns (indexes, groups used)."""
+        if positions is None:
+            positions = np.arange(self.size)
+        if len(positions) > most:
+            positions = positions[np.linspace(0, len(positions) - 1, most).astype(np.int64)]
+        sizes = self.group_size[positions]
+        total = int(sizes.sum())
+        starts = np.repeat(self.first[positions] - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+        return starts + np.arange(total), len(positions)
+
     def counts(self, name: str) -> list[tuple[object, int]]:
         """(value, groups) for env, family, difficulty or policy_version, sorted by value."""
         values = getattr(self, name)
@@ -135,6 +152,12 @@ class Columns:
             counts = np.bincount(values, minlength=len(names)) if len(values) else np.zeros(len(names), int)
             return sorted((names[code], int(n)) for code, n in enumerate(counts) if n)
         present = values[values >= 0] if name == "difficulty" else values
+        if len(present) == 0:
+            return []
+        low, high = int(present.min()), int(present.max())
+        if high - low < 1_000_000:  # small integer range: bincount, not a sort
+            counts = np.bincount(present - low, minlength=high - low + 1)
+            return [(low + value, int(n)) for value, n in enumerate(counts) if n]
         uniques, counts = np.unique(present, return_counts=True)
         return [(int(u), int(n)) for u, n in zip(uniques, counts)]
 
