@@ -2,7 +2,7 @@
 
     python -m bench.viewer.run                  # 1M groups of 8 sequences x 16-48 tokens (~1.5 GB, a few minutes)
     python -m bench.viewer.run --smoke          # 20k groups, seconds
-    python -m bench.viewer.run --groups 200000 --keep bench/out/viewer-store
+    python -m bench.viewer.run --groups 200000 --pairs 3 --keep bench/out/viewer-store
 
 The store is written directly with pyarrow in the shard store's format
 (GROUP_SCHEMA, zstd, page checksums, 256-group row groups, commit log with
@@ -12,7 +12,8 @@ app in-process (Starlette's test client: routing, templates, security
 headers), so times are server time without the network. Each timed request
 clears the viewer's facet/plot cache first, so nothing is served from a
 previous answer; the index itself stays warm after the cold build, as in a
-running server. Times are medians of `--repeat` requests.
+running server. Times are medians of `--pairs` requests through
+`bench.harness.measure` (JSON lines in bench/results/viewer.jsonl).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.harness import add_bench_args, command_line, json_path, measure, pairs_from, print_table
 from factory.schema import GROUP_SCHEMA
 from factory.store import CommitRecord, shard_name
 
@@ -115,17 +116,16 @@ def commit_table(root: Path, run_id: str, producer: str, chunk: int, table: pa.T
     log.flush()
 
 
-def timed(client, viewer, url: str, repeat: int) -> tuple[float, str]:
-    times, text = [], ""
-    for _ in range(repeat):
-        viewer._cache.clear()
-        started = time.perf_counter()
-        response = client.get(url)
-        times.append(time.perf_counter() - started)
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}")
-        text = response.text
-    return statistics.median(times), text
+def request_ms(client, viewer, url: str, last: dict) -> dict[str, float]:
+    """One request with the viewer's facet/plot cache cleared; its text is kept in `last` for the match count."""
+    viewer._cache.clear()
+    started = time.perf_counter()
+    response = client.get(url)
+    elapsed = time.perf_counter() - started
+    if response.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {response.status_code}")
+    last["text"] = response.text
+    return {"ms": elapsed * 1000}
 
 
 def matched(text: str) -> str:
@@ -141,19 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=1_000_000)
     parser.add_argument("--per-shard", type=int, default=1000, help="Groups per shard (a datagen chunk).")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="20k groups, 1 repeat: finishes in seconds.")
     parser.add_argument("--keep", default=None, help="Store directory to build (or reuse if it exists) and keep.")
-    parser.add_argument("--json", default=None, help="Also write the results as JSON lines here.")
+    add_bench_args(parser, pairs=5)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.groups, args.repeat = 20_000, 1
+        args.groups = 20_000
+    repeats = pairs_from(args)
+    json_out = json_path("viewer", args)
     from starlette.testclient import TestClient
 
     from factory.viewer.app import ViewerConfig, create_app
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="viewer-bench-"))
-    results: list[dict] = []
+    rows: list[list[object]] = []
     try:
         if (root / "bench" / "commits.jsonl").is_file():
             build_s = None
@@ -165,17 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(ViewerConfig(store=str(root)))
         viewer = app.viewer
         client = TestClient(app)
+        last: dict = {}
 
-        started = time.perf_counter()
-        response = client.get("/run/bench")
-        cold = time.perf_counter() - started
-        assert response.status_code == 200, response.status_code
+        cold = measure("viewer", "first page, cold (indexes newest shards for 0.3 s)",
+                       lambda: request_ms(client, viewer, "/run/bench", last), json_out=json_out, metric="ms")
+        rows.append([cold.sides[0], round(cold.median(cold.sides[0], "ms"), 1), matched(last["text"])])
         index = viewer.index.indexed("bench")
+        started = time.perf_counter()
         while index.pending:
             time.sleep(0.05)
-        indexed_s = time.perf_counter() - started
-        rows = [("first page, cold (indexes newest shards for 0.3 s)", cold, matched(response.text)),
-                ("index of every shard complete (background)", indexed_s, "")]
+        rows.append(["rest of the index (background), after the cold page", round((time.perf_counter() - started) * 1000), ""])
+        group_id = index.frame["group_id"][-1]
         cases = [
             ("first page", "/run/bench"),
             ("page 100 (offset 4950)", "/run/bench?offset=4950"),
@@ -188,23 +188,21 @@ def main(argv: list[str] | None = None) -> int:
             ("text search, common ('foxtrot')", "/run/bench?text=foxtrot"),
             ("text search, rare ('Task 1234 (')", "/run/bench?text=Task+1234+%28"),
             ("text search + filters (cipher, 'charlie')", "/run/bench?family=cipher&text=charlie"),
+            ("group page", f"/run/bench/group/{group_id}"),
+            ("live status poll (nothing new)", "/api/run/bench/status"),
         ]
+        loads = []
         for name, url in cases:
-            seconds, text = timed(client, viewer, url, args.repeat)
-            rows.append((name, seconds, matched(text)))
-        group_id = index.frame["group_id"][-1]
-        seconds, _ = timed(client, viewer, f"/run/bench/group/{group_id}", args.repeat)
-        rows.append(("group page", seconds, ""))
-        seconds, _ = timed(client, viewer, "/api/run/bench/status", args.repeat)
-        rows.append(("live status poll (nothing new)", seconds, ""))
+            result = measure("viewer", name, lambda url=url: request_ms(client, viewer, url, last), repeats=repeats,
+                             json_out=json_out, metric="ms")
+            loads.extend(load[0] for load in result.loads)
+            rows.append([name, round(result.median(name, "ms"), 1), matched(last.get("text", ""))])
         with open(root / "bench" / "commits.jsonl", "a", encoding="utf-8") as log:
-            chunk = len(index.shards)
-            commit_table(root, "bench", "live", chunk, shard_table(groups, args.per_shard, args.group_size,
-                                                                   np.random.default_rng(1), groups), log)
-        viewer._cache.clear()
-        started = time.perf_counter()
-        text = client.get("/run/bench").text
-        rows.append(("first page after a new shard (incremental index)", time.perf_counter() - started, matched(text)))
+            commit_table(root, "bench", "live", len(index.shards) + index.pending,
+                         shard_table(groups, args.per_shard, args.group_size, np.random.default_rng(1), groups), log)
+        live = measure("viewer", "first page after a new shard (incremental index)",
+                       lambda: request_ms(client, viewer, "/run/bench", last), json_out=json_out, metric="ms")
+        rows.append([live.sides[0], round(live.median(live.sides[0], "ms"), 1), matched(last["text"])])
         index_mib = (index.frame.estimated_size() + sum(a.nbytes for a in vars(index.columns).values()
                                                         if isinstance(a, np.ndarray))) / 2**20
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -213,19 +211,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nview-run on {groups:,} groups of {args.group_size} sequences x 16-48 tokens, {size / 2**30:.2f} GiB in "
-          f"{len(index.shards) - 1} shards of {args.per_shard}" + (f" (built in {build_s:.0f} s)" if build_s else ""))
+          f"{groups // args.per_shard} shards of {args.per_shard}" + (f" (built in {build_s:.0f} s)" if build_s else ""))
     print(f"index in RAM: {index_mib:.0f} MiB ({index_mib * 2**20 / max(groups, 1):.0f} B/group); peak RSS {peak:.0f} MiB; "
-          f"median of {args.repeat} requests, caches cleared\n")
-    print(f"| {'request':52s} | {'ms':>8s} | matches |")  # noqa: E501
-    print(f"|{'-' * 54}|{'-' * 10}|---------|")
-    for name, seconds, match in rows:
-        print(f"| {name:52s} | {seconds * 1000:8.1f} | {match} |")
-        results.append({"bench": "viewer", "request": name, "ms": round(seconds * 1000, 2), "matches": match,
-                        "groups": groups})
-    if args.json:
-        with open(args.json, "a", encoding="utf-8") as out:
-            for row in results:
-                out.write(json.dumps(row) + "\n")
+          f"median of {repeats} requests each, facet/plot caches cleared; "
+          f"load1 {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cpus")
+    print_table(["request", "ms", "matches"], rows)
+    print(f"\ncommand: {command_line()}")
     return 0
 
 
