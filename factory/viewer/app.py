@@ -156,6 +156,8 @@ class Viewer:
         self.store = ShardStore(config.store)
         self.index = StoreIndex(self.store)
         self.templates = environment()
+        for name in ("index.html", "run.html", "group.html"):
+            self.templates.get_template(name)  # compile now, not on the first request
         self.prefect_ui = prefect_ui_url(config.prefect_ui)
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._background: threading.Thread | None = None

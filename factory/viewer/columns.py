@@ -108,6 +108,14 @@ class Columns:
             env_names=list(envs.names), family_names=list(families.names),
         )
 
+    def append(self, more: Columns) -> Columns:
+        """These columns followed by `more` (new shards of a live run: one copy, not a rebuild from shards)."""
+        joined = {name: np.concatenate([getattr(self, name), getattr(more, name)])
+                  for name in ("shard", "row", "env", "family", "difficulty", "policy_version", "score_mean",
+                               "created_s", "scores", "lengths", "group_size")}
+        joined["first"] = np.concatenate([self.first, more.first + len(self.scores)])
+        return Columns(**joined, env_names=more.env_names, family_names=more.family_names)
+
     def mask(self, filters: Filters) -> np.ndarray | None:
         """Which groups pass the index-side filters (everything but text); None when nothing filters."""
         mask = None

@@ -104,6 +104,7 @@ class RunIndex:
         self._frame: pl.DataFrame | None = None
         self._columns: Columns | None = None
         self._envs, self._families = Codes(), Codes()
+        self._columns_built: tuple[list[str], Columns | None] = ([], None)
         self._log_key: tuple[int, int] | None = None
         self._log_inode: int | None = None
         self._log_offset = 0
@@ -184,6 +185,7 @@ class RunIndex:
         self.problems.clear()
         self._frames.clear()
         self._columns_of.clear()
+        self._columns_built = ([], None)
         self._pending.clear()
         self._order.clear()
         self._frame = self._columns = None
@@ -247,8 +249,14 @@ class RunIndex:
         with self.lock:
             if self._columns is None:
                 names = sorted(self._columns_of, key=self._order.__getitem__)
-                self._columns = Columns.concat([(self.shards[n].shard_id, self._columns_of[n]) for n in names],
-                                               self._envs, self._families)
+                built, previous = self._columns_built
+                if previous is not None and names[: len(built)] == built:  # only new shards at the end
+                    extra = [(self.shards[n].shard_id, self._columns_of[n]) for n in names[len(built):]]
+                    self._columns = previous.append(Columns.concat(extra, self._envs, self._families))
+                else:
+                    self._columns = Columns.concat([(self.shards[n].shard_id, self._columns_of[n]) for n in names],
+                                                   self._envs, self._families)
+                self._columns_built = (names, self._columns)
             return self._columns
 
     # ---- what the pages ask ----

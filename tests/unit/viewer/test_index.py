@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import polars as pl
 import pytest
 
+from factory.viewer.columns import Columns
 from factory.viewer.index import Filters, RunIndex, StoreIndex
 from tests.unit.viewer.store_fixture import FLOW_RUN_ID, make_group, make_viewer_store, write_chunk
 
@@ -46,9 +48,19 @@ def test_refresh_picks_up_new_shards_and_is_cheap_when_nothing_changed(store):
     index = RunIndex(store, "run-1")
     index.refresh()
     assert index.refresh() == 0
+    before = index.columns
     write_chunk(store, "run-1", 3, [make_group(100 + i, "run-1", 3) for i in range(5)])
     assert index.refresh() == 5
     assert index.frame.height == 65 and 3 in set(index.frame["policy_version"])
+    appended = index.columns  # built by appending the new shard to the previous columns
+    in_commit_order = sorted(index.shards, key=index._order.__getitem__)
+    rebuilt = Columns.concat([(index.shards[n].shard_id, index._columns_of[n]) for n in in_commit_order],
+                             index._envs, index._families)
+    assert appended.size == 65 and before.size == 60
+    for name in ("shard", "row", "env", "policy_version", "scores", "lengths", "first", "group_size"):
+        assert (getattr(appended, name) == getattr(rebuilt, name)).all(), name
+    chosen, used = appended.completions(np.array([0, 64]))
+    assert used == 2 and appended.scores[chosen].tolist() == index.frame["scores"][0].to_list() + index.frame["scores"][64].to_list()
 
 
 def test_a_replaced_chunk_replaces_its_rows(store):
