@@ -15,6 +15,8 @@ import polars as pl
 
 from factory.viewer.query import Filters
 
+_ARRAYS = ("shard", "row", "env", "family", "difficulty", "policy_version", "score_mean", "created_s", "scores",
+           "lengths", "first", "group_size")
 PLOT_GROUPS = 100_000
 """Per-completion histograms of more groups than this use this many, taken evenly over them (and say so)."""
 
@@ -83,6 +85,9 @@ class Columns:
     env_names: list[str]
     family_names: list[str]
 
+    def __post_init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
     @property
     def size(self) -> int:
         return len(self.shard)
@@ -98,7 +103,7 @@ class Columns:
         shard = np.repeat(np.array([shard_id for shard_id, _ in parts], dtype=np.int64), sizes) if parts else np.zeros(0, np.int64)
         row = np.concatenate([np.arange(n) for n in sizes]) if parts else np.zeros(0, np.int64)
         group_size = cat("group_size", np.int64)
-        return cls(
+        columns = cls(
             shard=shard, row=row, env=cat("env", np.int32), family=cat("family", np.int32),
             difficulty=cat("difficulty", np.int32), policy_version=cat("policy_version", np.int64),
             score_mean=cat("score_mean", np.float64), created_s=cat("created_s", np.float64),
@@ -107,14 +112,38 @@ class Columns:
             group_size=group_size,
             env_names=list(envs.names), family_names=list(families.names),
         )
+        return columns
+
+    def with_capacity(self, factor: float = 1.25) -> Columns:
+        """The same columns as views of buffers with room to grow, so a live run's next shards append in place."""
+        result = Columns(**{name: getattr(self, name) for name in _ARRAYS}, env_names=self.env_names,
+                         family_names=self.family_names)
+        for name in _ARRAYS:
+            values = getattr(self, name)
+            buffer = np.empty(int(len(values) * factor) + 1024, dtype=values.dtype)
+            buffer[: len(values)] = values
+            result._buffers[name] = buffer
+            result._buffers[name + ".filled"] = np.array([len(values)], dtype=np.int64)
+            setattr(result, name, buffer[: len(values)])
+        return result
 
     def append(self, more: Columns) -> Columns:
-        """These columns followed by `more` (new shards of a live run: one copy, not a rebuild from shards)."""
-        joined = {name: np.concatenate([getattr(self, name), getattr(more, name)])
-                  for name in ("shard", "row", "env", "family", "difficulty", "policy_version", "score_mean",
-                               "created_s", "scores", "lengths", "group_size")}
-        joined["first"] = np.concatenate([self.first, more.first + len(self.scores)])
-        return Columns(**joined, env_names=more.env_names, family_names=more.family_names)
+        """These columns followed by `more` (new shards of a live run), in amortised O(len(more)).
+
+        Arrays are views of buffers with spare capacity (doubling as they
+        fill): appending writes past the end of the buffer, which the views
+        held by earlier `Columns` (and the requests still using them) never
+        see. Only the newest `Columns` of a buffer may append in place.
+        """
+        joined = {}
+        for name in _ARRAYS:
+            old, new = getattr(self, name), getattr(more, name)
+            if name == "first":
+                new = new + len(self.scores)
+            joined[name] = _extend(self._buffers, name, old, new)
+        result = Columns(**joined, env_names=more.env_names, family_names=more.family_names)
+        result._buffers = self._buffers
+        return result
 
     def mask(self, filters: Filters) -> np.ndarray | None:
         """Which groups pass the index-side filters (everything but text); None when nothing filters."""
@@ -168,6 +197,23 @@ class Columns:
             return [(low + value, int(n)) for value, n in enumerate(counts) if n]
         uniques, counts = np.unique(present, return_counts=True)
         return [(int(u), int(n)) for u, n in zip(uniques, counts)]
+
+
+def _extend(buffers: dict[str, np.ndarray], name: str, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """`old` + `new` as a view of buffers[name], written in place when `old` ends where the buffer is filled."""
+    buffer = buffers.get(name)
+    size = len(old) + len(new)
+    fits = (buffer is not None and len(old) and np.shares_memory(buffer, old) and old.base is buffer
+            and buffers.get(name + ".filled") is not None and int(buffers[name + ".filled"][0]) == len(old)
+            and size <= len(buffer))
+    if not fits:
+        buffer = np.empty(max(size * 2, 1024), dtype=old.dtype)
+        buffer[: len(old)] = old
+        buffers[name] = buffer
+        buffers[name + ".filled"] = np.zeros(1, dtype=np.int64)
+    buffer[len(old): size] = new
+    buffers[name + ".filled"][0] = size
+    return buffer[:size]
 
 
 def histogram(values: np.ndarray, bins: int = 20) -> tuple[list[int], list[float]]:

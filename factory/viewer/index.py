@@ -255,7 +255,7 @@ class RunIndex:
                     self._columns = previous.append(Columns.concat(extra, self._envs, self._families))
                 else:
                     self._columns = Columns.concat([(self.shards[n].shard_id, self._columns_of[n]) for n in names],
-                                                   self._envs, self._families)
+                                                   self._envs, self._families).with_capacity()
                 self._columns_built = (names, self._columns)
             return self._columns
 

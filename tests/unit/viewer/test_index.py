@@ -59,6 +59,12 @@ def test_refresh_picks_up_new_shards_and_is_cheap_when_nothing_changed(store):
     assert appended.size == 65 and before.size == 60
     for name in ("shard", "row", "env", "policy_version", "scores", "lengths", "first", "group_size"):
         assert (getattr(appended, name) == getattr(rebuilt, name)).all(), name
+    write_chunk(store, "run-1", 4, [make_group(200 + i, "run-1", 4) for i in range(3)])
+    index.refresh()
+    again = index.columns  # appended in place into the spare capacity of the same buffers
+    assert again.size == 68 and again.shard.base is appended.shard.base and appended.size == 65
+    assert (again.policy_version[:65] == appended.policy_version).all() and set(again.policy_version[65:]) == {4}
+    assert index.frame["scores"].to_list() == [again.scores[f:f + n].tolist() for f, n in zip(again.first, again.group_size)]
     chosen, used = appended.completions(np.array([0, 64]))
     assert used == 2 and appended.scores[chosen].tolist() == index.frame["scores"][0].to_list() + index.frame["scores"][64].to_list()
 
