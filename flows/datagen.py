@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.runtime import flow_run
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
@@ -175,6 +176,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     logger = get_run_logger()
     cfg = job_config_model(ref).model_validate(config)
     d = cfg.datagen
+    flow_run_id = str(flow_run.get_id() or "") or None
     store = ShardStore(d.store_root)
     store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
     spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
@@ -214,7 +216,8 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         if not sampler.admit(chunk, grouped):  # target reached by an earlier chunk: this one is not committed
             logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk, d.target_groups)
             return
-        stats = {**grouped.stats(), "chunk": chunk, **sampler.chunk_stats(chunk, grouped)}
+        stats = {**grouped.stats(), "chunk": chunk, **sampler.chunk_stats(chunk, grouped),
+                 "flow_run_id": flow_run_id}  # flow_run_id: view-run links to it
         store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
         # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
         # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.

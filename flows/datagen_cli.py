@@ -14,7 +14,6 @@ against the batching API, which serves the shards it commits.
 from __future__ import annotations
 
 import asyncio
-import html
 import json
 import os
 import sys
@@ -48,47 +47,16 @@ def write_groups_jsonl(store: ShardStore, run_id: str, path: Path) -> int:
     return count
 
 
-def _message_html(message: dict[str, Any]) -> str:
-    content = message.get("content", "")
-    if isinstance(content, list):  # content parts: pictures are shown inline, text as text
-        body = "".join(f'<img src="{html.escape(p["image_url"]["url"])}">' if p.get("type") == "image_url"
-                       else f"<pre>{html.escape(str(p.get('text', '')))}</pre>" for p in content)
-    else:
-        body = f"<pre>{html.escape(str(content))}</pre>"
-    return (f'<div class="msg {html.escape(str(message.get("role", "")))}"><b>{html.escape(str(message.get("role")))}'
-            f"</b>{body}</div>")
-
-
 def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) -> None:
-    """A single HTML file (no external assets) with each group's prompt and scored completions."""
-    parts = [
-        "<!doctype html><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}details{border:1px solid #ccc;margin:6px;"
-        "padding:6px}pre{white-space:pre-wrap;margin:2px}.msg{margin:4px 0}.assistant{background:#f3f7ff}"
-        ".good{color:#070}.bad{color:#a00}</style>",
-        f"<h1>{html.escape(title)}</h1>",
-    ]
+    """A single HTML file (CSS inlined, no scripts or external assets) of the groups, drawn with view-run's templates."""
+    from factory.viewer.render import render_static_groups
+
     with open(jsonl, encoding="utf-8") as source:
-        for index, line in enumerate(source):
-            if index >= limit:
-                parts.append(f"<p>… only the first {limit} groups are shown; see {html.escape(jsonl.name)}</p>")
-                break
-            group = json.loads(line)
-            scores = group["scores"]
-            conversations = group.get("messages") or [[] for _ in scores]
-            first = conversations[0] if conversations else []
-            start = next((k for k, m in enumerate(first) if m.get("role") == "assistant"), len(first))  # multi-turn
-            prompt = first[:start]
-            parts.append(f"<details><summary>{html.escape(group['item_key'])} — scores "
-                         f"{html.escape(', '.join(f'{s:g}' for s in scores))}</summary>")
-            parts.extend(_message_html(m) for m in prompt)
-            for score, conversation in zip(scores, conversations):
-                css = "good" if score == max(scores) else "bad"
-                turns = conversation[start:] or [{"role": "assistant", "content": ""}]
-                parts.append(f"<p class='{css}'>score {score:g}</p>" + "".join(_message_html(m) for m in turns))
-            parts.append("</details>")
-    path.write_text("\n".join(parts), encoding="utf-8")
+        total = sum(1 for line in source if line.strip())
+    with open(jsonl, encoding="utf-8") as source:
+        groups = (json.loads(line) for line in source if line.strip())
+        page = render_static_groups(groups, title=title, total=total, limit=limit, source_name=jsonl.name)
+    path.write_text(page, encoding="utf-8")
 
 
 def process(ref: str, cfg: JobConfig, config_path: str | None, args: list[str]) -> dict[str, Any]:
