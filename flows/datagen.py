@@ -24,13 +24,16 @@ from collections import Counter, deque
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import update_progress_artifact
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec
 from factory.config import FactoryConfig, build_config, to_yaml
 from factory.inference.client import InferenceConfig
+from factory.preflight import PreflightError, preflight
+from factory.run_control import current_flow_run_id
 from factory.store import ShardStore
+from flows.datagen_ops import RunOps, RunStopped, close_current
 from flows.datagen_runtime import Backpressure, make_task_runner
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
@@ -67,6 +70,8 @@ class DatagenSettings(FactoryConfig):
     slurm: dict[str, Any] = Field(default_factory=dict, description="dask_jobqueue.SLURMCluster keyword arguments.")
     slurm_jobs: int = Field(1, ge=1, description="Most SLURM jobs the cluster adapts up to.")
     output_dir: str | None = Field(None, description="Where process/evaluate write JSONL, HTML, metrics; default: the run dir.")
+    preflight_wait_s: float = Field(0.0, ge=0, description="Seconds preflight waits for endpoints still starting (0: fail at once).")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="After SIGTERM/SIGINT, seconds chunks in flight get to finish and commit.")
 
 
 class ServeSettings(FactoryConfig):
@@ -160,13 +165,14 @@ def summarize(store: ShardStore, cfg: JobConfig, seconds: float, session: Counte
     }
 
 
-@flow(name="datagen-pipeline", log_prints=False)
+@flow(name="datagen-pipeline", log_prints=False, on_failure=[close_current], on_crashed=[close_current])
 def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     """Run the chunks of one job that are not committed yet; return the summary."""
     logger = get_run_logger()
     cfg = job_config_model(ref).model_validate(config)
     d = cfg.datagen
     store = ShardStore(d.store_root)
+    ops = RunOps.start(store, cfg, logger)
     store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
     spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
     env_name = spec.env_class().name
@@ -174,10 +180,10 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     todo = [k for k in range(n_chunks) if not store.is_committed(d.run_id, d.producer, k)]
     logger.info("%s: %d of %d chunks to do in run %r (store %s)", env_name, len(todo), n_chunks, d.run_id, d.store_root)
     done = n_chunks - len(todo)
-    progress_id = create_progress_artifact(
-        progress=100.0 * done / n_chunks, key=f"{d.run_id}-progress".lower().replace("_", "-"),
-        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id}",
-    )
+    progress_id = ops.progress_artifact(100.0 * done / n_chunks, key=f"{d.run_id}-progress".lower().replace("_", "-"),
+                                        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to "
+                                        f"{d.run_id} (store {store.run_dir(d.run_id).absolute()})")
+    ops.track(d.producer, total_chunks=n_chunks, done_before=done)
     score_mode = spec.env_class().scoring if d.score_mode == "auto" else d.score_mode
     if score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
         # Start the scorer processes now, while the first chunk is generating.
@@ -191,7 +197,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
 
     def finish(chunk: int, grouped_future: Any, items: int) -> None:
         nonlocal done
-        grouped = grouped_future.result()
+        grouped = ops.result(grouped_future)
         generate_s = grouped.generate_s
         intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
         stats = {**grouped.stats(), "chunk": chunk}
@@ -206,10 +212,13 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
                         "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})
         update_progress_artifact(progress_id, 100.0 * done / n_chunks)
         logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
+        ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
 
     for chunk in todo:
-        while len(in_flight) >= d.chunks_in_flight:
+        while len(in_flight) >= d.chunks_in_flight and not ops.stopping:
             finish(*in_flight.popleft())
+        if ops.stopping:
+            break
         indices = range(chunk * d.chunk_items, min((chunk + 1) * d.chunk_items, cfg.env.total_items))
         if backpressure is not None:
             # Chunks in flight count against the limit; commit them before pausing so the trainer can have them.
@@ -225,16 +234,22 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
                                     max_token_length=cfg.env.max_token_length,
                                     ensure_scores_are_not_same=cfg.env.ensure_scores_are_not_same,
                                     run_id=d.run_id, seed=cfg.env.seed, generation_params=generation_params)
+        ops.submitted(grouped, generated, scored)
         in_flight.append((chunk, grouped, len(indices)))
     while in_flight:
+        if ops.stopping and not ops.finishes_in_grace(in_flight[0][1]):
+            break  # the rest is abandoned uncommitted; a rerun redoes it
         finish(*in_flight.popleft())
 
     summary = summarize(store, cfg, time.perf_counter() - started, session, intervals)
     store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
     rows = [{"metric": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in summary.items()]
-    create_table_artifact(table=rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
-                          description=f"{env_name} datagen summary for run {d.run_id}")
+    ops.summary_artifact(rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
+                         description=f"{env_name} datagen summary for run {d.run_id}", store_dir=summary["store"])
     logger.info("summary: %s", json.dumps(summary))
+    if ops.stopping:
+        return ops.stopped(summary, abandoned=[chunk for chunk, _, _ in in_flight])
+    ops.finished()
     return summary
 
 
@@ -244,10 +259,24 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
     values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
     cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
+    try:
+        preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
+    except PreflightError as error:
+        from factory.run_control import fail_without_retry
+
+        fail_without_retry(str(error))  # a wrong setting is not retried
+        raise
     runner = make_task_runner(cfg.datagen)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
-    return pipeline(ref, cfg.model_dump(mode="json"))
+    state = pipeline(ref, cfg.model_dump(mode="json"), return_state=True)
+    if state.is_cancelled():
+        message = state.message or "cancelled"
+        stopped = RunStopped(message, 130 if "SIGINT" in message else 143)
+        if current_flow_run_id():
+            return state  # the deployment's run ends Cancelled too, without retries
+        raise stopped
+    return state.result()
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)
