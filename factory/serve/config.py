@@ -37,6 +37,7 @@ class ServeConfig(FactoryConfig):
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
     batch_metadata: bool = Field(False, description="Add group_id, env and policy_version to each group in /batch responses.")
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")
 
     @field_validator("env_min_batch_allocation")
     @classmethod
