@@ -146,3 +146,33 @@ def test_kill_9_run_is_marked_crashed_by_the_next_start(prefect_server, policy, 
     assert states[killed.id].is_crashed(), states[killed.id]
     assert "died" in states[killed.id].message
     assert sum(1 for state in states.values() if state.is_completed()) == 1
+
+
+def test_local_stack_installs_the_zombie_automation_and_heartbeats(prefect_server):
+    from prefect.automations import Automation
+
+    from factory.local_prefect import ZOMBIE_AUTOMATION
+
+    automation = Automation.read(name=ZOMBIE_AUTOMATION)
+    assert automation.enabled and automation.actions[0].state.value == "CRASHED"
+    assert prefect_server["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+
+
+def test_artifacts_land_on_the_run_the_user_started(prefect_server, policy, tmp_path):
+    from prefect.artifacts import Artifact
+
+    from flows.datagen import intern_bootcamp_datagen
+
+    base_url, tokenizer = policy
+    state = intern_bootcamp_datagen(
+        env={"group_size": 2, "total_items": 2, "max_tokens": 4, "tokenizer_name": tokenizer,
+             "ensure_scores_are_not_same": False},
+        openai={"base_url": base_url}, datagen={"store_root": str(tmp_path), "run_id": "art", "chunk_items": 2,
+                                                "score_workers": 1},
+        return_state=True)
+    assert state.is_completed()
+    parent = state.state_details.flow_run_id
+    for key in ("art-progress", "art-summary"):
+        artifact = Artifact.get(key)
+        assert artifact is not None and artifact.flow_run_id == parent, key
+    assert "file://" in Artifact.get("art-summary").description
