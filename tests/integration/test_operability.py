@@ -176,3 +176,16 @@ def test_artifacts_land_on_the_run_the_user_started(prefect_server, policy, tmp_
         artifact = Artifact.get(key)
         assert artifact is not None and artifact.flow_run_id == parent, key
     assert "file://" in Artifact.get("art-summary").description
+
+    import io
+
+    from prefect.logging.handlers import APILogWorker
+
+    from factory.progress import watch
+
+    APILogWorker.drain_all(timeout=10)
+    out = io.StringIO()
+    assert watch(str(parent), poll_s=0.2, stream=out) == 0
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("progress: intern-bootcamp: 1/1 chunks") for line in lines), lines
+    assert lines[-1].endswith(": Completed")
