@@ -2,8 +2,8 @@
 
     preflight(cfg, mode="process")   # raises PreflightError("openai.base_url", "http://…", "not reachable: …")
 
-What is checked: every inference endpoint answers (its health route) and, when
-`openai.model_name` is set, lists that model; `env.tokenizer_name` is either an
+What is checked: every inference endpoint answers (its health route) and, for
+OpenAI-compatible servers (`openai.server_type` openai/vllm), lists `openai.model_name`; `env.tokenizer_name` is either an
 existing local directory with tokenizer files or a hub id (a path-like value
 that does not exist is an error, and in offline mode a hub id must be in the
 local Hugging Face cache); the store root is writable; in serve mode the
@@ -117,7 +117,8 @@ def check_endpoint(url: str, *, server_type: str = "sglang", model_name: str = "
                                  f"within {timeout:g}s); start the inference server or fix the URL") from None
     if server_type != "sglang" and models.status_code != 200:
         raise PreflightError(setting, url, f"{root}/v1/models answers HTTP {models.status_code}")
-    if model_name != "default" and models.status_code == 200:
+    # SGLang's /generate ignores the model name; OpenAI-compatible servers (vLLM) refuse a name they don't serve.
+    if server_type != "sglang" and model_name != "default":
         served = _served_models(models.json())
         if served and model_name not in served:
             raise PreflightError("openai.model_name", model_name, f"not served by {root} (it serves {', '.join(served)})")

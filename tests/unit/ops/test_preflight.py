@@ -101,10 +101,11 @@ def test_unreachable_endpoint_fails_in_seconds_naming_the_url():
 
 
 def test_endpoint_must_serve_the_configured_model(fake_server):
-    check_endpoint(fake_server + "/v1", model_name="tiny")
-    check_endpoint(fake_server, model_name="default")
+    check_endpoint(fake_server + "/v1", model_name="tiny", server_type="vllm")
+    check_endpoint(fake_server, model_name="default", server_type="openai")
+    check_endpoint(fake_server, model_name="big")  # SGLang's /generate ignores the name
     with pytest.raises(PreflightError, match=r"openai.model_name='big': not served by .* \(it serves tiny\)"):
-        check_endpoint(fake_server, model_name="big")
+        check_endpoint(fake_server, model_name="big", server_type="vllm")
 
 
 def job(tmp_path, **sections):
