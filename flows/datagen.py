@@ -71,7 +71,7 @@ class DatagenSettings(FactoryConfig):
     slurm_jobs: int = Field(1, ge=1, description="Most SLURM jobs the cluster adapts up to.")
     output_dir: str | None = Field(None, description="Where process/evaluate write JSONL, HTML, metrics; default: the run dir.")
     preflight_wait_s: float = Field(0.0, ge=0, description="Seconds preflight waits for endpoints still starting (0: fail at once).")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="After SIGTERM/SIGINT, seconds chunks in flight get to finish and commit.")
+    shutdown_grace_s: float = Field(20.0, ge=0, description="After SIGTERM/SIGINT, seconds chunks in flight get to finish and commit (under the 30 s a Prefect worker waits before SIGKILL).")
 
 
 class ServeSettings(FactoryConfig):
