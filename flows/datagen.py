@@ -23,7 +23,7 @@ from collections import Counter, deque
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 from pydantic import Field, create_model
 
@@ -31,8 +31,11 @@ from environments.base import EnvConfig, EnvSpec, load_env
 from factory.config import FactoryConfig, build_config, to_yaml
 from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
+from factory.preflight import PreflightError, preflight
+from factory.run_control import current_flow_run_id
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.store import ShardStore
+from flows.datagen_ops import RunOps, RunStopped, close_current
 from flows.datagen_runtime import Backpressure, make_task_runner, use_endpoints_block
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
@@ -77,6 +80,8 @@ class DatagenSettings(FactoryConfig):
                                   "(default 10 x target_groups); also caps env.total_items when set.")
     curriculum: CurriculumSettings = Field(default_factory=CurriculumSettings,
                                            description="Adaptive difficulty per task family (factory/curriculum.py).")
+    preflight_wait_s: float = Field(0.0, ge=0, description="Seconds preflight waits for endpoints still starting (0: fail at once).")
+    shutdown_grace_s: float = Field(20.0, ge=0, description="After SIGTERM/SIGINT, seconds chunks in flight get to finish and commit (under the 30 s a Prefect worker waits before SIGKILL).")
 
 
 class ServeSettings(FactoryConfig):
@@ -170,7 +175,7 @@ def summarize(store: ShardStore, cfg: JobConfig, seconds: float, session: Counte
     }
 
 
-@flow(name="datagen-pipeline", log_prints=False)
+@flow(name="datagen-pipeline", log_prints=False, on_failure=[close_current], on_crashed=[close_current])
 def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     """Run the chunks of one job that are not committed yet; return the summary."""
     logger = get_run_logger()
@@ -178,6 +183,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     d = cfg.datagen
     flow_run_id = str(flow_run.get_id() or "") or None
     store = ShardStore(d.store_root)
+    ops = RunOps.start(store, cfg, logger)
     store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
     spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
     env_name = spec.env_class().name
@@ -193,10 +199,10 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         logger.info("%s: %d of target %d groups committed in run %r (%d chunks); drawing up to %d items",
                     env_name, sampler.committed_groups, d.target_groups, d.run_id, sampler.restored_chunks,
                     sampler.max_items)
-    progress_id = create_progress_artifact(
-        progress=sampler.progress(), key=f"{d.run_id}-progress".lower().replace("_", "-"),
-        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id}",
-    )
+    progress_id = ops.progress_artifact(sampler.progress(), key=f"{d.run_id}-progress".lower().replace("_", "-"),
+                                        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to "
+                                        f"{d.run_id} (store {store.run_dir(d.run_id).absolute()})")
+    ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks))
     curriculum_key = f"{d.run_id}-curriculum".lower().replace("_", "-")
     score_mode = spec.env_class().scoring if d.score_mode == "auto" else d.score_mode
     if score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
@@ -210,7 +216,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     intervals: list[tuple[float, float]] = []
 
     def finish(chunk: int, grouped_future: Any, items: int) -> None:
-        grouped = grouped_future.result()
+        grouped = ops.result(grouped_future)
         generate_s = grouped.generate_s
         intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
         if not sampler.admit(chunk, grouped):  # target reached by an earlier chunk: this one is not committed
@@ -235,11 +241,14 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
                             move["to"], move["pass_rate"])
             create_table_artifact(table=curriculum.table(), key=curriculum_key,
                                   description=f"{env_name} curriculum after chunk {chunk} of run {d.run_id}")
+        ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
 
-    while True:
-        while in_flight and (len(in_flight) >= d.chunks_in_flight
-                             or sampler.enough_in_flight(sum(items for _, _, items in in_flight))):
+    while not ops.stopping:
+        while in_flight and not ops.stopping and (len(in_flight) >= d.chunks_in_flight
+                                                  or sampler.enough_in_flight(sum(items for _, _, items in in_flight))):
             finish(*in_flight.popleft())
+        if ops.stopping:
+            break
         chunk = sampler.next_chunk()
         if chunk is None:
             break
@@ -259,8 +268,11 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
                                     max_token_length=cfg.env.max_token_length,
                                     ensure_scores_are_not_same=cfg.env.ensure_scores_are_not_same,
                                     run_id=d.run_id, seed=cfg.env.seed, generation_params=generation_params)
+        ops.submitted(grouped, generated, scored)
         in_flight.append((chunk, grouped, len(indices)))
     while in_flight:
+        if ops.stopping and not ops.finishes_in_grace(in_flight[0][1]):
+            break  # the rest is abandoned uncommitted; a rerun redoes it
         finish(*in_flight.popleft())
 
     summary = {**summarize(store, cfg, time.perf_counter() - started, session, intervals), **sampler.summary()}
@@ -269,9 +281,12 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         summary["stop_message"] = message
     store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
     rows = [{"metric": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in summary.items()]
-    create_table_artifact(table=rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
-                          description=f"{env_name} datagen summary for run {d.run_id}")
+    ops.summary_artifact(rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
+                         description=f"{env_name} datagen summary for run {d.run_id}", store_dir=summary["store"])
     logger.info("summary: %s", json.dumps(summary))
+    if ops.stopping:
+        return ops.stopped(summary, abandoned=[chunk for chunk, _, _ in in_flight])
+    ops.finished()
     return summary
 
 
@@ -282,10 +297,24 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
     cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
     use_endpoints_block(cfg)
+    try:
+        preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
+    except PreflightError as error:
+        from factory.run_control import fail_without_retry
+
+        fail_without_retry(str(error))  # a wrong setting is not retried
+        raise
     runner = make_task_runner(cfg.datagen)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
-    return pipeline(ref, cfg.model_dump(mode="json"))
+    state = pipeline(ref, cfg.model_dump(mode="json"), return_state=True)
+    if state.is_cancelled():
+        message = state.message or "cancelled"
+        stopped = RunStopped(message, 130 if "SIGINT" in message else 143)
+        if current_flow_run_id():
+            return state  # the deployment's run ends Cancelled too, without retries
+        raise stopped
+    return state.result()
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)

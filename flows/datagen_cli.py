@@ -22,6 +22,7 @@ from typing import Any
 
 from environments.base import EnvSpec, load_env
 from factory.config import ConfigError, split_config_path
+from factory.preflight import PreflightError, preflight
 from factory.inference.client import InferenceClient
 from factory.store import ShardStore
 from flows.datagen import JobConfig, build_job_config, run_datagen
@@ -103,13 +104,23 @@ def main(ref: str, argv: list[str] | None = None) -> int:
         cfg = build_job_config(ref, config_path=config_path, cli_args=args)
         if mode == "serve" and not cfg.serve.api_url:
             raise ConfigError("serve mode needs the batching API: set --serve.api_url http://HOST:8000")
-    except (ConfigError, ValueError) as error:
+        preflight(cfg, mode=mode, wait_s=cfg.datagen.preflight_wait_s)
+    except (ConfigError, PreflightError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if mode == "evaluate":
-        evaluate(ref, cfg)
-    elif mode == "process":
-        process(ref, cfg, config_path, args)
-    else:
-        print(json.dumps(run_datagen(ref, config_path=config_path, cli_args=args), indent=2))
+    from flows.datagen_ops import RunStopped
+
+    try:
+        if mode == "evaluate":
+            evaluate(ref, cfg)
+        elif mode == "process":
+            process(ref, cfg, config_path, args)
+        else:
+            print(json.dumps(run_datagen(ref, config_path=config_path, cli_args=args), indent=2))
+    except RunStopped as stopped:
+        print(f"error: {stopped}", file=sys.stderr)
+        return stopped.code
+    except Exception as error:  # the cause is the last line printed, after Prefect's own logs
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0
