@@ -31,6 +31,7 @@ def environment() -> Environment:
     env = Environment(loader=PackageLoader("factory.viewer", "templates"), autoescape=select_autoescape(default=True,
                       default_for_string=True), trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = fmt_number
+    env.filters["content_parts"] = content_parts
     return env
 
 
@@ -111,6 +112,24 @@ def _image_entry(value: str) -> dict[str, str]:
     return {"text": text[:200] + ("…" if len(text) > 200 else "")}
 
 
+def content_parts(content: Any) -> list[dict[str, str]]:
+    """A message's content as parts to show: `{"text": ...}`, or `{"src": data URL}` for an image part."""
+    if isinstance(content, str):
+        return [{"text": content}]
+    if not isinstance(content, list):
+        return [{"text": json.dumps(content)}]
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            url = part.get("image_url")
+            parts.append(_image_entry(str(url.get("url", "") if isinstance(url, dict) else url or "")))
+        elif isinstance(part, dict) and part.get("type") == "text":
+            parts.append({"text": str(part.get("text", ""))})
+        else:
+            parts.append({"text": json.dumps(part)})
+    return parts
+
+
 def group_view(row: dict[str, Any], lengths: list[int] | None = None) -> dict[str, Any]:
     """What a page shows of one group: prompt, completions (score, length, policy version), images.
 
@@ -124,7 +143,9 @@ def group_view(row: dict[str, Any], lengths: list[int] | None = None) -> dict[st
     if lengths is None:
         lengths = [len(t) for t in tokens] if tokens is not None else [0] * len(scores)
     first = conversations[0] if conversations and isinstance(conversations[0], list) else []
-    prompt = first[:-1] if first and first[-1].get("role") == "assistant" else first
+    # The prompt ends at the model's first turn; a multi-turn episode's later user/tool turns belong to the reply.
+    start = next((k for k, m in enumerate(first) if isinstance(m, dict) and m.get("role") == "assistant"), len(first))
+    prompt = first[:start]
     best = max(scores) if scores else None
     completions = []
     for index, score in enumerate(scores):
