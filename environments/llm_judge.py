@@ -97,8 +97,11 @@ class Judge:
 
     async def compare(self, item: Item, x: str, y: str) -> float:
         """x's result against y, judged twice with the order swapped."""
-        first, second = await asyncio.gather(self.verdict(item, x, y), self.verdict(item, y, x))
-        return both_orders(first, second)
+        results = await asyncio.gather(self.verdict(item, x, y), self.verdict(item, y, x), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return both_orders(*results)
 
 
 class LLMJudgeEnv(BaseEnv):
@@ -132,11 +135,15 @@ class LLMJudgeEnv(BaseEnv):
     async def judge(self) -> Judge:
         """One judge client per event loop (the datagen sampling loop, or evaluate's)."""
         loop = asyncio.get_running_loop()
-        cached = self.__dict__.get("_judge")
-        if cached is None or cached[0] is not loop:
-            client = await InferenceClient(self.judge_config()).__aenter__()
-            cached = self.__dict__["_judge"] = (loop, Judge(client, self.config))
-        return cached[1]
+        cached = self.__dict__.get("_judge_opening")
+        if cached is None or cached[0] is not loop:  # no await before this assignment: concurrent items share it
+            cached = self.__dict__["_judge_opening"] = (loop, asyncio.ensure_future(self._open_judge()))
+        judge = await cached[1]
+        self.__dict__["_judge"] = (loop, judge)
+        return judge
+
+    async def _open_judge(self) -> Judge:
+        return Judge(await InferenceClient(self.judge_config()).__aenter__(), self.config)
 
     async def collect_trajectories(self, item: Item, sampler: Sampler, sampling: SamplingParams | None = None,
                                    n: int | None = None) -> list[Rollout]:
@@ -153,12 +160,15 @@ class LLMJudgeEnv(BaseEnv):
         rng = random.Random(item.key)
         pairs = {tuple(sorted((i, j))) for i in range(len(rollouts))
                  for j in rng.sample([k for k in range(len(rollouts)) if k != i], min(self.config.opponents, len(rollouts) - 1))}
-        try:
-            results = await asyncio.gather(*(judge.compare(item, rollouts[i].text, rollouts[j].text) for i, j in sorted(pairs)))
-        except JudgeError as error:
+        results = await asyncio.gather(*(judge.compare(item, rollouts[i].text, rollouts[j].text)
+                                         for i, j in sorted(pairs)), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            if not isinstance(failed, JudgeError):
+                raise failed
             for r in rollouts:
-                r.error = f"judge_error: {error}"[:300]
-            logger.warning("item %s: %s", item.key, error)
+                r.error = f"judge_error: {failed}"[:300]
+            logger.warning("item %s: %s", item.key, failed)
             return
         points: dict[int, list[float]] = {i: [] for i in range(len(rollouts))}
         for (i, j), result in zip(sorted(pairs), results):

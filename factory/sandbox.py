@@ -159,7 +159,7 @@ def _run(config: dict[str, Any], root: Path, stdin: str, limits: SandboxLimits, 
         inp.write(stdin.encode())
         inp.seek(0)
         process = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(config)], stdin=inp, stdout=out, stderr=err,
+            [sandbox_python(), "-I", "-S", str(LAUNCHER), json.dumps(config)], stdin=inp, stdout=out, stderr=err,
             cwd=root, env=config["env"], start_new_session=True, close_fds=True,
         )
         reason = ""

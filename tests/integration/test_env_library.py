@@ -43,7 +43,7 @@ def policy_url():
         yield handle.base_url
 
 
-def sample_groups(name: str, policy_url: str, items: int = 2, group_size: int = 3):
+def sample_groups(name: str, policy_url: str, items: int = 2, group_size: int = 3, api: str = "generate"):
     spec = EnvSpec(LIBRARY[name], {"group_size": group_size, "tokenizer_name": str(STARTER), **CONFIGS[name]})
     env = load_env(spec)
     batch = [env.get_item(i) for i in range(items)]
@@ -51,7 +51,7 @@ def sample_groups(name: str, policy_url: str, items: int = 2, group_size: int = 
 
     async def run():
         async with InferenceClient(InferenceConfig(base_url=policy_url, server_type="sglang")) as client:
-            return await generate_items(env, batch, ClientSampler(client, tokenizer, "generate"), max_in_flight=8)
+            return await generate_items(env, batch, ClientSampler(client, tokenizer, api), max_in_flight=8)
 
     chunk = asyncio.run(run())
     score_chunk(spec, chunk.items, chunk.rollouts, timeout_s=30, workers=1, mode=env.scoring)
@@ -138,3 +138,13 @@ def test_evaluate_runs_episodes_and_reports_metrics(name, policy_url):
             assert isinstance(sample["completion"], list) and sample["completion"][-1]["role"] == "assistant"
         else:
             assert isinstance(sample["completion"], str)
+
+
+def test_multi_turn_over_chat_completions_keeps_masks_consistent(policy_url):
+    """An OpenAI-style server templates the messages itself: the episode's ids are our rendering of them."""
+    env, chunk, grouped, tokenizer = sample_groups("blackjack", policy_url, api="chat")
+    assert chunk.failed_items == 0 and len(grouped.groups) == 2, grouped.dropped
+    for group in grouped.groups:
+        for tokens, masks, conversation in zip(group.tokens, group.masks, group.messages):
+            untrained = tokenizer.decode([t for t, m in zip(tokens, masks) if m == MASK_IGNORE])
+            assert all(m["content"] in untrained for m in conversation if m["role"] != "assistant")
