@@ -172,3 +172,10 @@ def test_a_big_unindexed_run_answers_within_the_budget_and_finishes_in_the_backg
         time.sleep(0.05)
     page = client.get("/run/run-1").text
     assert 'id="indexing"' not in page and 'data-groups="60"' in page
+
+
+def test_run_option_opens_that_run_and_the_list_stays_reachable(store):
+    client = TestClient(create_app(ViewerConfig(store=str(store.root), run="run-1")))
+    response = client.get("/", follow_redirects=False)
+    assert response.status_code == 307 and response.headers["location"] == "/run/run-1"
+    assert 'href="/run/run-1"' in client.get("/?all").text
