@@ -96,6 +96,8 @@ def test_difficulty_column_wins_over_the_item_key(tmp_path):
     store = make_viewer_store(tmp_path / "store", chunks=1, per_chunk=4)
     path = store.shards_dir("run-1") / "datagen-00000000.parquet"
     table = pq.read_table(path)
+    if "difficulty" in table.column_names:  # the store schema has the column since issue 11; older shards lack it
+        table = table.drop_columns(["difficulty"])
     table = table.append_column("difficulty", pa.array([5, None, 3, 3], pa.int32()))
     pq.write_table(table, tmp_path / "with_difficulty.parquet")
     frame = index_shard(tmp_path / "with_difficulty.parquet", 0)
