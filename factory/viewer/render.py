@@ -139,7 +139,8 @@ def group_view(row: dict[str, Any], lengths: list[int] | None = None) -> dict[st
     best = max(scores) if scores else None
     completions = []
     for index, score in enumerate(scores):
-        conversation = conversations[index] if index < len(conversations) and isinstance(conversations[index], list) else []
+        conversation = conversations[index] if index < len(conversations) else []
+        conversation = conversation if isinstance(conversation, list) else []
         reply = conversation[start:]
         trained = sum(1 for m in masks[index] if m != MASK_IGNORE) if masks is not None else None
         completions.append({

@@ -179,3 +179,14 @@ def test_run_option_opens_that_run_and_the_list_stays_reachable(store):
     response = client.get("/", follow_redirects=False)
     assert response.status_code == 307 and response.headers["location"] == "/run/run-1"
     assert 'href="/run/run-1"' in client.get("/?all").text
+
+
+def test_an_empty_run_renders_every_page(tmp_path):
+    from factory.store import ShardStore
+
+    ShardStore(tmp_path / "empty").commit("e", "p", 0, [])
+    client = TestClient(create_app(ViewerConfig(store=str(tmp_path / "empty"))))
+    for url in ("/", "/run/e", "/run/e?env=x&text=foo&score_min=1", "/api/run/e/status"):
+        assert client.get(url).status_code == 200, url
+    assert "0 groups match" in client.get("/run/e?text=foo").text
+    assert client.get("/run/e/group/abc").status_code == 404
