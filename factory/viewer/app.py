@@ -101,7 +101,8 @@ class SecurityHeaders:
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 names = {key.lower() for key, _ in message.get("headers", [])}
-                message["headers"] = list(message.get("headers", [])) + [h for h in SECURITY_HEADERS if h[0] not in names]
+                missing = [header for header in SECURITY_HEADERS if header[0] not in names]
+                message["headers"] = list(message.get("headers", [])) + missing
             await send(message)
 
         await self.app(scope, receive, with_headers)
@@ -219,7 +220,8 @@ class Viewer:
     # ---- routes ----
     def home(self, request: Request) -> Response:
         if self.config.run and "all" not in request.query_params:
-            return RedirectResponse(f"{request.scope.get('root_path', '')}/run/{quote(self.config.run)}", status_code=307)
+            root = request.scope.get("root_path", "")
+            return RedirectResponse(f"{root}/run/{quote(self.config.run)}", status_code=307)
         runs = []
         run_ids = self.index.run_ids()
         self._index_in_background([r for r in run_ids if self.index.indexed(r) is None])
@@ -321,8 +323,8 @@ class Viewer:
         url = f"{request.scope.get('root_path', '')}/run/{quote(run_id)}?"
         prev_url = url + urlencode({**base_query, "offset": max(0, offset - limit)}) if offset > 0 else None
         next_url = url + urlencode({**base_query, "offset": offset + limit}) if offset + limit < matched else None
-        flow_runs = [{**fr, "url": f"{self.prefect_ui}/runs/flow-run/{quote(fr['id'])}" if _UUID.match(fr["id"]) else None}
-                     for fr in index.flow_runs()]
+        flow_runs = [{**fr, "url": f"{self.prefect_ui}/runs/flow-run/{quote(fr['id'])}" if _UUID.match(fr["id"])
+                      else None} for fr in index.flow_runs()]
         return self.page(
             request, "run.html", run_id=run_id, total=columns.size, shards=shards, pending=pending,
             problems=sorted(index.problems.items()), envs=facets["envs"], families=facets["families"],
@@ -387,6 +389,8 @@ def search_text(index: RunIndex, newest_first: np.ndarray, needle: str, offset: 
     found: list[np.ndarray] = []
     n_found = scanned_to = 0
     for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:  # no candidates at all
+            continue
         if n_found >= want or (time.monotonic() - started > budget_s and start > 0):
             break
         positions = newest_first[start:end]

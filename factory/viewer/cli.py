@@ -28,13 +28,16 @@ def parse_args(argv: Sequence[str] | None = None) -> ViewerConfig:
     parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one).")
     parser.add_argument("--token", default=None,
-                        help=f"Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN once in a browser); default ${TOKEN_ENV}.")
+                        help=f"Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN once in a browser); "
+                             f"default ${TOKEN_ENV}.")
     parser.add_argument("--insecure-no-token", action="store_true",
-                        help="Allow binding a non-local host without a token (anyone who can reach it reads the store).")
+                        help="Allow a non-local host without a token (anyone who can reach it reads the store).")
     parser.add_argument("--prefect-ui", default=None,
-                        help="Prefect UI base URL for flow-run links (default $PREFECT_UI_URL, else $PREFECT_API_URL without /api).")
+                        help="Prefect UI base URL for flow-run links "
+                             "(default $PREFECT_UI_URL, else $PREFECT_API_URL without /api).")
     parser.add_argument("--page-size", type=int, default=50, help="Groups per page.")
-    parser.add_argument("--text-budget-s", type=float, default=1.0, help="Seconds a text search may scan before answering.")
+    parser.add_argument("--text-budget-s", type=float, default=1.0,
+                        help="Seconds a text search may scan before answering.")
     args = parser.parse_args(argv)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     if args.host not in LOCAL_HOSTS and token is None and not args.insecure_no_token:

@@ -100,7 +100,8 @@ class Columns:
             return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
         sizes = [len(part.env) for _, part in parts]
-        shard = np.repeat(np.array([shard_id for shard_id, _ in parts], dtype=np.int64), sizes) if parts else np.zeros(0, np.int64)
+        ids = np.array([shard_id for shard_id, _ in parts], dtype=np.int64)
+        shard = np.repeat(ids, sizes) if parts else np.zeros(0, np.int64)
         row = np.concatenate([np.arange(n) for n in sizes]) if parts else np.zeros(0, np.int64)
         group_size = cat("group_size", np.int64)
         columns = cls(
@@ -108,7 +109,7 @@ class Columns:
             difficulty=cat("difficulty", np.int32), policy_version=cat("policy_version", np.int64),
             score_mean=cat("score_mean", np.float64), created_s=cat("created_s", np.float64),
             scores=cat("scores", np.float64), lengths=cat("lengths", np.int32),
-            first=np.concatenate([[0], np.cumsum(group_size)[:-1]]).astype(np.int64) if len(group_size) else np.zeros(0, np.int64),
+            first=(np.cumsum(group_size) - group_size).astype(np.int64),
             group_size=group_size,
             env_names=list(envs.names), family_names=list(families.names),
         )

@@ -50,15 +50,18 @@ def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
     names = set(parquet.schema_arrow.names)
     columns = INDEX_COLUMNS + (["difficulty"] if "difficulty" in names else [])
     table = parquet.read(columns=columns)
-    tokens = table.column("tokens").combine_chunks() if table.num_rows else pa.array([], type=table.schema.field("tokens").type)
+    tokens_type = table.schema.field("tokens").type
+    tokens = table.column("tokens").combine_chunks() if table.num_rows else pa.array([], type=tokens_type)
     sequence_lengths = pc.list_value_length(tokens.flatten()).cast(pa.int32())
-    lengths = pa.ListArray.from_arrays(pc.subtract(tokens.offsets, tokens.offsets[0]) if len(tokens) else pa.array([0], pa.int32()),
-                                       sequence_lengths)
+    offsets = pc.subtract(tokens.offsets, tokens.offsets[0]) if len(tokens) else pa.array([0], pa.int32())
+    lengths = pa.ListArray.from_arrays(offsets, sequence_lengths)
     frame = pl.from_arrow(table.drop_columns(["tokens"]).append_column("lengths", lengths))
     assert isinstance(frame, pl.DataFrame)
     parts = pl.col("item_key").str.split(":")
     parsed_difficulty = (
-        pl.when(parts.list.len() == 3).then(parts.list.get(1, null_on_oob=True).cast(pl.Int32, strict=False)).otherwise(None)
+        pl.when(parts.list.len() == 3)
+        .then(parts.list.get(1, null_on_oob=True).cast(pl.Int32, strict=False))
+        .otherwise(None)
     )
     difficulty = (pl.col("difficulty").cast(pl.Int32, strict=False).fill_null(parsed_difficulty)
                   if "difficulty" in names else parsed_difficulty)
@@ -277,7 +280,8 @@ class RunIndex:
             return self.frame.clear()
         columns = self.columns
         shard_ids, rows = columns.shard[positions], columns.row[positions]
-        frames_by_id = {entry.shard_id: self._frames[name] for name, entry in self.shards.items() if name in self._frames}
+        frames_by_id = {entry.shard_id: self._frames[name]
+                        for name, entry in self.shards.items() if name in self._frames}
         pieces, start = [], 0
         breaks = np.flatnonzero(np.diff(shard_ids)) + 1
         for end in [*breaks.tolist(), len(positions)]:
@@ -301,7 +305,8 @@ class RunIndex:
             kept += int(stats.get("groups_kept", 0))
             for reason, count in (stats.get("dropped") or {}).items():
                 dropped[reason] = dropped.get(reason, 0) + int(count)
-        return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": bool(self.chunk_stats or self.run_stats)}
+        recorded = bool(self.chunk_stats or self.run_stats)
+        return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": recorded}
 
     def flow_runs(self) -> list[dict[str, Any]]:
         """Prefect flow runs that committed this run's chunks (from `flow_run_id` in chunk stats), with chunk counts."""

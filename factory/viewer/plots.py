@@ -40,7 +40,8 @@ def _frame(title: str, x_range: tuple[float, float], y_range: tuple[float, float
         f'<text x="{LEFT - 4}" y="{TOP + plot_h}" font-size="10" text-anchor="end">{_fmt(y0)}</text>',
         f'<text x="{LEFT}" y="{HEIGHT - 14}" font-size="10">{_fmt(x0)}</text>',
         f'<text x="{LEFT + plot_w}" y="{HEIGHT - 14}" font-size="10" text-anchor="end">{_fmt(x1)}</text>',
-        f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 3}" font-size="10" text-anchor="middle">{escape(x_label)}</text>',
+        f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 3}" font-size="10" text-anchor="middle">'
+        f"{escape(x_label)}</text>",
         *body,
         "</svg>",
     ]
@@ -49,7 +50,8 @@ def _frame(title: str, x_range: tuple[float, float], y_range: tuple[float, float
 
 def empty_plot(title: str, message: str = "no data") -> Markup:
     return _frame(title, (0, 1), (0, 1), [
-        f'<text x="{WIDTH / 2:.0f}" y="{HEIGHT / 2:.0f}" font-size="12" text-anchor="middle" fill="#888">{escape(message)}</text>'
+        f'<text x="{WIDTH / 2:.0f}" y="{HEIGHT / 2:.0f}" font-size="12" text-anchor="middle" fill="#888">'
+        f"{escape(message)}</text>"
     ])
 
 
@@ -65,7 +67,8 @@ def histogram(counts: Sequence[int], edges: Sequence[float], title: str, x_label
         height = plot_h * count / top
         body.append(
             f'<rect x="{LEFT + i * bar_w + 0.5:.1f}" y="{TOP + plot_h - height:.1f}" width="{max(bar_w - 1, 0.5):.1f}" '
-            f'height="{height:.1f}" fill="{COLORS[0]}"><title>{_fmt(edges[i])} to {_fmt(edges[i + 1])}: {count}</title></rect>'
+            f'height="{height:.1f}" fill="{COLORS[0]}">'
+            f"<title>{_fmt(edges[i])} to {_fmt(edges[i + 1])}: {count}</title></rect>"
         )
     return _frame(title, (edges[0], edges[-1]), (0, top), body, x_label)
 

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+_KINDS: dict[str, type] = {"difficulty": int, "policy_version": int, "score_min": float, "score_max": float}
+
 
 @dataclass(frozen=True)
 class Filters:
@@ -27,11 +29,12 @@ class Filters:
             raw = (params.get(spec.name) or "").strip()
             if not raw:
                 continue
-            kind = {"difficulty": int, "policy_version": int, "score_min": float, "score_max": float}.get(spec.name, str)
+            kind = _KINDS.get(spec.name, str)
             try:
                 values[spec.name] = kind(raw)
             except ValueError:
-                raise ValueError(f"filter {spec.name}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(f"filter {spec.name}={raw!r} is not {what}") from None
         return cls(**values)
 
     def as_query(self) -> dict[str, str]:

@@ -1,9 +1,13 @@
 """Templates and view models shared by the viewer and `process` mode's self-contained `groups.html`.
 
 Jinja autoescaping is on for every template, so text from the model (prompts,
-completions, item keys, image values) is always shown as text. Images are
-shown only as `data:` URLs of PNG, JPEG, GIF or WebP bytes; anything else
-(remote URLs, SVG, unknown strings) is listed as text and never fetched.
+completions, item keys, image values) is always shown as text. Images (the
+`images` field, and `image_url` content parts of messages) are drawn only
+from `data:` URLs declaring PNG, JPEG, GIF or WebP, or raw base64 whose bytes
+are one of those; anything else (remote URLs, SVG, unknown strings) is listed
+as text and never fetched. The prompt is every turn before the first
+assistant turn and a completion every turn from there, so multi-turn
+episodes are shown whole.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def environment() -> Environment:
     env = Environment(loader=PackageLoader("factory.viewer", "templates"), autoescape=select_autoescape(default=True,
                       default_for_string=True), trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = fmt_number
-    env.filters["content_parts"] = content_parts
+    env.filters["image_part"] = image_part
     return env
 
 
@@ -91,17 +95,21 @@ def image_sources(images: Any) -> list[dict[str, str]]:
     return found
 
 
+def image_part(part: Any) -> str | None:
+    """The `data:` URL of an OpenAI-style image content part (`{"type": "image_url", "image_url": {"url": ...}}`)."""
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
+        return None
+    url = part.get("image_url", part.get("image"))
+    url = url.get("url") if isinstance(url, dict) else url
+    return _image_entry(url).get("src") if isinstance(url, str) else None
+
+
 def _image_entry(value: str) -> dict[str, str]:
     text = value.strip()
     if match := _DATA_URL.match(text):
-        payload = re.sub(r"\s", "", match[2])
-        try:
-            mime = _sniff(base64.b64decode(payload[:64] + "=" * (-len(payload[:64]) % 4)))
-        except (binascii.Error, ValueError):
-            mime = None
-        if mime is not None:
-            return {"src": f"data:{mime};base64,{payload}"}
-    elif _BASE64.match(text):
+        # A data: URL of a raster image type can only ever draw pixels in an <img>; it is shown as declared.
+        return {"src": f"data:{match[1]};base64,{re.sub(r'[^A-Za-z0-9+/=]', '', match[2])}"}
+    if _BASE64.match(text):
         payload = re.sub(r"\s", "", text)
         try:
             mime = _sniff(base64.b64decode(payload[:64]))
@@ -110,24 +118,6 @@ def _image_entry(value: str) -> dict[str, str]:
         if mime is not None:
             return {"src": f"data:{mime};base64,{payload}"}
     return {"text": text[:200] + ("…" if len(text) > 200 else "")}
-
-
-def content_parts(content: Any) -> list[dict[str, str]]:
-    """A message's content as parts to show: `{"text": ...}`, or `{"src": data URL}` for an image part."""
-    if isinstance(content, str):
-        return [{"text": content}]
-    if not isinstance(content, list):
-        return [{"text": json.dumps(content)}]
-    parts = []
-    for part in content:
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            url = part.get("image_url")
-            parts.append(_image_entry(str(url.get("url", "") if isinstance(url, dict) else url or "")))
-        elif isinstance(part, dict) and part.get("type") == "text":
-            parts.append({"text": str(part.get("text", ""))})
-        else:
-            parts.append({"text": json.dumps(part)})
-    return parts
 
 
 def group_view(row: dict[str, Any], lengths: list[int] | None = None) -> dict[str, Any]:
@@ -143,14 +133,15 @@ def group_view(row: dict[str, Any], lengths: list[int] | None = None) -> dict[st
     if lengths is None:
         lengths = [len(t) for t in tokens] if tokens is not None else [0] * len(scores)
     first = conversations[0] if conversations and isinstance(conversations[0], list) else []
-    # The prompt ends at the model's first turn; a multi-turn episode's later user/tool turns belong to the reply.
+    # The prompt is everything before the first assistant turn; a completion is every turn from there (multi-turn).
     start = next((k for k, m in enumerate(first) if isinstance(m, dict) and m.get("role") == "assistant"), len(first))
     prompt = first[:start]
     best = max(scores) if scores else None
     completions = []
     for index, score in enumerate(scores):
-        conversation = conversations[index] if index < len(conversations) and isinstance(conversations[index], list) else []
-        reply = conversation[len(prompt):] if conversation[: len(prompt)] == prompt else conversation[-1:]
+        conversation = conversations[index] if index < len(conversations) else []
+        conversation = conversation if isinstance(conversation, list) else []
+        reply = conversation[start:]
         trained = sum(1 for m in masks[index] if m != MASK_IGNORE) if masks is not None else None
         completions.append({
             "index": index, "score": score, "length": lengths[index] if index < len(lengths) else None,

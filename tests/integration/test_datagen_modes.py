@@ -134,3 +134,26 @@ def test_serve_pauses_while_the_trainer_is_behind_and_finishes_after_it_pulls(pr
     assert summary["paused_s"] > 1.0
     assert batches == total_items // limit_groups and len(served) == total_items  # every group once
     assert store.verify("serve-run") == []
+
+
+def test_process_writes_groups_html_with_the_viewer_templates_and_view_run_links_the_flow_run(
+        prefect_server, policy_url, tmp_path):
+    from starlette.testclient import TestClient
+
+    from factory.viewer.app import ViewerConfig, create_app
+
+    out = tmp_path / "out"
+    run = subprocess.run([*SCRIPT, "process", *common_args(policy_url, tmp_path), "--env.total_items", "8",
+                          "--env.group_size", "4", "--env.ensure_scores_are_not_same", "false",
+                          "--datagen.chunk_items", "4", "--datagen.run_id", "proc", "--datagen.output_dir", str(out)],
+                         check=False, cwd=REPO, env=script_env(prefect_server), capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    page = (out / "groups.html").read_text()
+    assert page.count('<details class="group">') == 8 and page.count('class="completion"') == 32  # shared macros
+    assert "<style>" in page and "<script" not in page
+
+    client = TestClient(create_app(ViewerConfig(store=str(tmp_path / "data"), prefect_ui="http://ui.test")))
+    run_page = client.get("/run/proc").text
+    assert 'data-groups="8"' in run_page and "intern_bootcamp" in run_page
+    assert 'href="http://ui.test/runs/flow-run/' in run_page and "2 chunks" in run_page

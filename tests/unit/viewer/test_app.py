@@ -172,3 +172,21 @@ def test_a_big_unindexed_run_answers_within_the_budget_and_finishes_in_the_backg
         time.sleep(0.05)
     page = client.get("/run/run-1").text
     assert 'id="indexing"' not in page and 'data-groups="60"' in page
+
+
+def test_run_option_opens_that_run_and_the_list_stays_reachable(store):
+    client = TestClient(create_app(ViewerConfig(store=str(store.root), run="run-1")))
+    response = client.get("/", follow_redirects=False)
+    assert response.status_code == 307 and response.headers["location"] == "/run/run-1"
+    assert 'href="/run/run-1"' in client.get("/?all").text
+
+
+def test_an_empty_run_renders_every_page(tmp_path):
+    from factory.store import ShardStore
+
+    ShardStore(tmp_path / "empty").commit("e", "p", 0, [])
+    client = TestClient(create_app(ViewerConfig(store=str(tmp_path / "empty"))))
+    for url in ("/", "/run/e", "/run/e?env=x&text=foo&score_min=1", "/api/run/e/status"):
+        assert client.get(url).status_code == 200, url
+    assert "0 groups match" in client.get("/run/e?text=foo").text
+    assert client.get("/run/e/group/abc").status_code == 404

@@ -39,9 +39,9 @@ def test_image_sources_accept_only_image_bytes():
     got = image_sources(json.dumps([
         f"data:image/png;base64,{RED_PIXEL_PNG}", RED_PIXEL_PNG, "https://x.example/a.png",
         "data:image/svg+xml;base64,PHN2Zz48L3N2Zz4=", {"url": f"data:image/png;base64,{RED_PIXEL_PNG}"},
-        "data:image/png;base64,bm90IGEgcG5nIGF0IGFsbCwganVzdCB0ZXh0",
+        "data:image/png;base64,bm90IGEgcG5nIGF0IGFsbCwganVzdCB0ZXh0", "bm90IGEgcG5nIGF0IGFsbCwganVzdCB0ZXh0IGF0IGFsbA==",
     ]))
-    assert [("src" in g) for g in got] == [True, True, False, False, True, False]
+    assert [("src" in g) for g in got] == [True, True, False, False, True, True, False]  # raw base64: sniffed
     assert got[1]["src"] == f"data:image/png;base64,{RED_PIXEL_PNG}"
     assert image_sources(None) == [] and len(image_sources([RED_PIXEL_PNG] * 40)) == 16
 
@@ -53,3 +53,19 @@ def test_plots_escape_labels_and_handle_empty_data():
     line = plots.lines({"r<1>": ([0, 1, 2], [0.5, float("nan"), 1.0])}, "curve")
     assert "r&lt;1&gt;" in line and line.count(",") >= 2
     assert "no data" in plots.lines({"r": ([], [])}, "curve")
+
+
+def test_multi_turn_conversations_and_image_content_parts():
+    turns = [{"role": "user", "content": "3"}, {"role": "assistant", "content": "two"},
+             {"role": "user", "content": "1 <b>"}, {"role": "assistant", "content": "zero"}]
+    picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{RED_PIXEL_PNG}"}},
+                                             {"type": "image_url", "image_url": {"url": "https://x.example/p.png"}},
+                                             {"type": "text", "text": "count <these>"}]},
+               {"role": "assistant", "content": "4"}]
+    view = group_view({"scores": [1.0, 0.0], "messages": [turns, turns[:2] + [{"role": "user", "content": "9"}]]})
+    assert view["prompt"] == turns[:1] and view["completions"][0]["messages"] == turns[1:]
+    page = render_static_groups([{"item_key": "k", "scores": [1.0], "messages": [turns]},
+                                 {"item_key": "m", "scores": [0.0], "messages": [picture]}], title="t")
+    assert all(f"<pre>{w}</pre>" in page for w in ("3", "two", "1 &lt;b&gt;", "zero", "count &lt;these&gt;"))
+    assert f'<img src="data:image/png;base64,{RED_PIXEL_PNG}">' in page
+    assert 'src="https://x.example' not in page and "https://x.example/p.png" in page
