@@ -5,7 +5,10 @@ families, levels 1-5), each family has a level. After every committed chunk
 the controller looks at the family's recent items *at its current level*: when
 their pass rate (share of rollouts that solved the item) rises above
 `high`, the level goes up one step; below `low`, it goes down one step; at
-the ends of the level range it stays. With `reweight`, a family's draw weight
+the ends of the level range it stays. A family that bounces (a move opposite to its previous one: a level too
+easy, the next one too hard) needs twice as many items at its level before the next move, per consecutive bounce
+(`min_items * 2**bounces`), so a policy that fits no level does not burn items flipping between two of them, yet
+the level still follows a policy that improves. With `reweight`, a family's draw weight
 is its base weight times the share of its recent items that gave a kept group
 (floored at `min_weight`), so the mix favours the families still learnable.
 
@@ -79,6 +82,12 @@ class FamilyState:
     window: list[list[int]] = field(default_factory=list)
     """[passed, rollouts, kept] of the most recent items drawn at the current level (oldest first)."""
     moves: int = 0
+    level_items: int = 0
+    """Items drawn at the current level since the family arrived there."""
+    last_step: int = 0
+    """Direction of the family's last move (+1 up, -1 down, 0 none yet)."""
+    bounces: int = 0
+    """Consecutive moves each opposite to the one before; the items needed to move double with each."""
 
     def pass_rate(self) -> float | None:
         """Recent pass rate at the current level (None before any item)."""
@@ -140,6 +149,7 @@ class Curriculum:
             if outcome.level == state.level and outcome.rollouts > 0:
                 # Items drawn before the last move (the pipeline lags a chunk or two) say nothing about this level.
                 state.window.append([outcome.passed, outcome.rollouts, int(outcome.kept)])
+                state.level_items += 1
                 del state.window[: -self.settings.window_items]
             if outcome.family not in touched:
                 touched.append(outcome.family)
@@ -154,10 +164,15 @@ class Curriculum:
                 continue
             step = 1 if rate > self.settings.high else -1 if rate < self.settings.low else 0
             new = min(self.max_level, max(self.min_level, state.level + step))
-            if new != state.level:
-                moves.append({"chunk": chunk, "family": name, "from": state.level, "to": new, "pass_rate": round(rate, 4)})
-                state.level, state.window = new, []
-                state.moves += 1
+            if new == state.level:
+                continue
+            bounce = step == -state.last_step
+            if bounce and state.level_items < self.settings.min_items * 2 ** (state.bounces + 1):
+                continue  # it just came from that direction: gather more evidence before flipping back
+            moves.append({"chunk": chunk, "family": name, "from": state.level, "to": new, "pass_rate": round(rate, 4)})
+            state.bounces = state.bounces + 1 if bounce else 0
+            state.level, state.window, state.level_items, state.last_step = new, [], 0, step
+            state.moves += 1
         self.history.extend(moves)
         self.chunks_applied += 1
         self.last_chunk = chunk
@@ -173,6 +188,7 @@ class Curriculum:
             "last_chunk": self.last_chunk,
             "families": {name: {"level": s.level, "items": s.items, "rollouts": s.rollouts, "passed": s.passed,
                                 "groups_kept": s.groups_kept, "window": s.window, "moves": s.moves,
+                                "level_items": s.level_items, "last_step": s.last_step, "bounces": s.bounces,
                                 "pass_rate": s.pass_rate(), "weight": self.weights()[name]}
                          for name, s in self.families.items()},
             "history": self.history,
@@ -187,7 +203,9 @@ class Curriculum:
         for name, saved in families.items():
             made.families[name] = FamilyState(level=saved["level"], items=saved["items"], rollouts=saved["rollouts"],
                                               passed=saved["passed"], groups_kept=saved["groups_kept"],
-                                              window=[list(row) for row in saved["window"]], moves=saved["moves"])
+                                              window=[list(row) for row in saved["window"]], moves=saved["moves"],
+                                              level_items=saved["level_items"], last_step=saved["last_step"],
+                                              bounces=saved["bounces"])
         made.chunks_applied = data["chunks_applied"]
         made.last_chunk = data["last_chunk"]
         made.history = list(data["history"])

@@ -89,3 +89,15 @@ def test_state_round_trips_through_json_and_continues_identically():
 def test_settings_refuse_an_empty_band():
     with pytest.raises(ValueError, match="band is empty"):
         CurriculumSettings(low=0.9, high=0.1)
+
+
+def test_a_family_that_fits_no_level_bounces_ever_more_slowly():
+    # too easy at 1 (always solved), too hard at 2 (never): without a guard it would flip every 4 items
+    c = Curriculum(CurriculumSettings(enabled=True, min_items=4, window_items=64), ["f"], start_level=1)
+    run(c, lambda family, level: 1.0 if level == 1 else 0.0, chunks=40, items=4)  # 160 items
+    moves = [m["chunk"] for m in c.history]
+    gaps = [b - a for a, b in zip(moves, moves[1:])]
+    assert len(moves) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
+    # and a policy that later fits level 2 is followed there
+    run(c, lambda family, level: 1.0 if level == 1 else 0.5, chunks=40, items=4)
+    assert c.levels()["f"] == 2
