@@ -224,3 +224,26 @@ def test_jobs_of_a_killed_flow_are_cancelled_by_the_next_start_of_the_run(slurm:
     assert not orphans & set(_job_ids(job_name)) and jobs_named(job_name) == []
     stats = _assert_every_group_once(data, run_id, 12)
     assert summary["session_chunks"] < 6 and {s["worker"]["slurm_job_id"] for s in stats} - orphans
+
+
+def test_tasks_sample_from_the_inference_server_their_job_started_on_its_node(slurm: None, prefect_server: dict,
+                                                                            tmp_path: Path) -> None:
+    import sys
+
+    from flows.datagen import intern_bootcamp_datagen
+
+    server_command = f"{sys.executable} -m factory.inference.fault_server --port {{port}}"  # SGLang on GPU nodes
+    block = _save_block("test-node-local", tmp_path, min_jobs=1, max_jobs=1, node_server_command=server_command,
+                        node_server_timeout_s=120)
+    run_id = "node-local-run"
+    with FaultServer() as unused:  # the test's own server must see no traffic
+        job = _job(tmp_path, run_id, block, 4, unused)
+        job["openai"]["base_url"] = "http://node-local"
+        intern_bootcamp_datagen(**job)
+        assert sum(unused.hits.values()) == 0
+
+    stats = _assert_every_group_once(tmp_path / "data", run_id, 4)
+    (job_id,) = {s["worker"]["slurm_job_id"] for s in stats}
+    log = (tmp_path / "logs" / job_id / "worker.log").read_text()
+    assert "node inference server healthy at http://127.0.0.1:" in log
+    assert (tmp_path / "logs" / job_id / "server.log").is_file()
