@@ -131,7 +131,7 @@ def node_server_lines(command: str, python: str, timeout_s: int) -> list[str]:
         f"{server} >$FACTORY_JOB_LOG_DIR/server.log 2>&1 &",
         "FACTORY_NODE_SERVER_PID=$!",
         "trap 'kill $FACTORY_NODE_SERVER_PID 2>/dev/null' EXIT",
-        f'export {NODE_ENDPOINT_VAR}="http://$(hostname):$FACTORY_NODE_PORT"',
+        f'export {NODE_ENDPOINT_VAR}="http://127.0.0.1:$FACTORY_NODE_PORT"',  # the tasks run on this node
         f"{py} -m factory.slurm_cluster wait-healthy ${NODE_ENDPOINT_VAR} --pid $FACTORY_NODE_SERVER_PID "
         f"--timeout {timeout_s} --log $FACTORY_JOB_LOG_DIR/server.log || exit 1",
     ]

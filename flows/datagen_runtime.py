@@ -65,6 +65,8 @@ def make_task_runner(d: Any) -> Any:
     if d.task_runner_block:
         from prefect.blocks.core import Block
 
+        import blocks.slurm  # noqa: F401  (Block.load finds only block classes this process has imported)
+
         block = Block.load(d.task_runner_block)
         if not hasattr(block, "task_runner"):
             raise ValueError(f"block {d.task_runner_block!r} has no task_runner() method; use a cluster block that does")

@@ -161,39 +161,31 @@ def test_a_cancelled_worker_job_is_replaced_and_its_chunks_run_again(slurm: None
     assert jobs_named(job_name) == []
 
 
-@pytest.mark.slow
-def test_a_worker_at_the_end_of_its_lifetime_is_replaced(slurm: None, prefect_server: dict, tmp_path: Path) -> None:
-    """worker_lifetime < walltime: a worker leaves before SLURM would kill it, the adaptive cluster submits another.
+def test_a_worker_at_the_end_of_its_lifetime_is_replaced(slurm: None, tmp_path: Path) -> None:
+    """worker_lifetime < walltime: the worker leaves before SLURM would kill it, its job ends, adapt submits another.
 
-    The server answers slowly until a replacement job shows up in squeue, then at once, so the run ends soon after.
+    The cluster as the block builds it (cluster_kwargs/adapt_kwargs), without Prefect: a bare worker starts fast.
     """
-    from flows.datagen import intern_bootcamp_datagen
+    from dask.distributed import Client
+    from dask_jobqueue import SLURMCluster
 
-    block = _save_block("test-lifetime", tmp_path, min_jobs=2, max_jobs=2, worker_lifetime="40s",
-                        lifetime_stagger="15s")
-    run_id, data = "lifetime-run", tmp_path / "data"
-    job_name = f"factory-test-{os.getpid()}-{run_id}"
-    with FaultServer() as server, watch_queue(job_name) as seen:
-        server.inject(*["slow:1"] * 10000)
+    from factory.slurm_cluster import SlurmClusterSpec, adapt_kwargs, cluster_kwargs
 
-        def speed_up_once_replaced() -> None:
-            try:
-                _wait_for(lambda: len(seen) >= 3, 300, "a third job (a replacement)")
-            finally:
-                server.faults.clear()
-
-        watcher = threading.Thread(target=speed_up_once_replaced, daemon=True)
-        watcher.start()
-        intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 40, server))
-        watcher.join(5)
-
-    stats = _assert_every_group_once(data, run_id, 40)
-    assert len(seen) >= 3, f"no job was replaced: {seen}"
-    leavers = [job for job in seen if (tmp_path / "logs" / job / "worker.log").is_file()
-               and "worker-lifetime-reached" in (tmp_path / "logs" / job / "worker.log").read_text()]
-    assert leavers, "no worker left at its lifetime"
-    assert {s["worker"]["slurm_job_id"] for s in stats} <= set(seen)
-    assert jobs_named(job_name) == []
+    spec = SlurmClusterSpec(job_name=f"factory-test-{os.getpid()}", cores=1, memory="1GB", walltime="00:10:00",
+                            log_dir=str(tmp_path / "logs"), min_jobs=1, max_jobs=1, worker_lifetime="10s",
+                            lifetime_stagger="0s")
+    kwargs = cluster_kwargs(spec, run_id="lifetime")
+    with SLURMCluster(**kwargs) as cluster, Client(cluster) as client, watch_queue(kwargs["job_name"]) as seen:
+        cluster.adapt(**adapt_kwargs(spec))
+        first = client.submit(os.getenv, "SLURM_JOB_ID", pure=False).result(timeout=240)
+        assert first is not None
+        _wait_for(lambda: len(seen) >= 2, 240, "a replacement job after the first worker's lifetime")
+        # The replacement is a working worker in a new SLURM job.
+        ran_in = _wait_for(lambda: (job := client.submit(os.getenv, "SLURM_JOB_ID", pure=False).result(timeout=240))
+                           != first and job, 240, "a task on the replacement worker")
+        assert ran_in in seen and first in seen
+    assert "worker-lifetime-reached" in (tmp_path / "logs" / first / "worker.log").read_text()
+    assert _wait_for(lambda: jobs_named(kwargs["job_name"]) == [], 60, "the cluster's jobs to end")
 
 
 def test_jobs_of_a_killed_flow_are_cancelled_by_the_next_start_of_the_run(slurm: None, prefect_server: dict,
@@ -211,11 +203,16 @@ def test_jobs_of_a_killed_flow_are_cancelled_by_the_next_start_of_the_run(slurm:
         job = _job(tmp_path, run_id, block, 12, server)
         code = ("import json, sys; from flows.datagen import intern_bootcamp_datagen; "
                 "intern_bootcamp_datagen(**json.loads(sys.argv[1]))")
-        flow = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        log = tmp_path / "flow.log"
+        with open(log, "wb") as out:
+            flow = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], cwd=REPO, stdout=out,
+                                    stderr=subprocess.STDOUT, env={**os.environ, **prefect_server,
+                                                                   "PYTHONPATH": str(REPO)})
         try:
-            _wait_for(lambda: _first_chunk_job(data, run_id), 300, "the killed flow's first chunk")
+            commits = data / run_id / "commits.jsonl"
+            _wait_for(lambda: (commits.is_file() and commits.stat().st_size) or flow.poll() is not None, 300,
+                      "the killed flow's first committed chunk")
+            assert flow.poll() is None, "the flow ended before it was killed:\n" + log.read_text()[-3000:]
         finally:
             flow.send_signal(signal.SIGKILL)
             flow.wait()
@@ -227,3 +224,26 @@ def test_jobs_of_a_killed_flow_are_cancelled_by_the_next_start_of_the_run(slurm:
     assert not orphans & set(_job_ids(job_name)) and jobs_named(job_name) == []
     stats = _assert_every_group_once(data, run_id, 12)
     assert summary["session_chunks"] < 6 and {s["worker"]["slurm_job_id"] for s in stats} - orphans
+
+
+def test_tasks_sample_from_the_inference_server_their_job_started_on_its_node(slurm: None, prefect_server: dict,
+                                                                            tmp_path: Path) -> None:
+    import sys
+
+    from flows.datagen import intern_bootcamp_datagen
+
+    server_command = f"{sys.executable} -m factory.inference.fault_server --port {{port}}"  # SGLang on GPU nodes
+    block = _save_block("test-node-local", tmp_path, min_jobs=1, max_jobs=1, node_server_command=server_command,
+                        node_server_timeout_s=120)
+    run_id = "node-local-run"
+    with FaultServer() as unused:  # the test's own server must see no traffic
+        job = _job(tmp_path, run_id, block, 4, unused)
+        job["openai"]["base_url"] = "http://node-local"
+        intern_bootcamp_datagen(**job)
+        assert sum(unused.hits.values()) == 0
+
+    stats = _assert_every_group_once(tmp_path / "data", run_id, 4)
+    (job_id,) = {s["worker"]["slurm_job_id"] for s in stats}
+    log = (tmp_path / "logs" / job_id / "worker.log").read_text()
+    assert "node inference server healthy at http://127.0.0.1:" in log
+    assert (tmp_path / "logs" / job_id / "server.log").is_file()

@@ -105,7 +105,7 @@ def test_node_server_starts_before_the_worker_and_is_waited_for(tmp_path: Path) 
     assert "--port $FACTORY_NODE_PORT >$FACTORY_JOB_LOG_DIR/server.log 2>&1 &" in lines[start]
     wait = next(i for i, line in enumerate(lines) if "wait-healthy" in line)
     assert wait > start and "--timeout 600" in lines[wait] and lines[wait].endswith("|| exit 1")
-    assert any(line.startswith('export FACTORY_NODE_ENDPOINT="http://$(hostname):') for line in lines)
+    assert 'export FACTORY_NODE_ENDPOINT="http://127.0.0.1:$FACTORY_NODE_PORT"' in lines
     with pytest.raises(ValueError, match="unknown placeholder"):
         cluster_kwargs(SlurmClusterSpec(node_server_command="serve --port {prt}"))
 
