@@ -150,3 +150,14 @@ def test_images_option_needs_parquet_and_message_lists(tiny_tokenizer_dir):
         OutputConfig(path="x.jsonl", images=True)
     with pytest.raises(ValueError, match="conversational"):
         OutputConfig(path="x", images=True, style="text", tokenizer=str(tiny_tokenizer_dir))
+
+
+def test_cli_keep_images_writes_the_vision_layout(mixed_store, tmp_path, capsys):
+    from factory.export.cli import main
+
+    out = tmp_path / "dpo"
+    assert main("dpo", [str(out), "--store", str(mixed_store.root), "--keep-images", "--tokenizer", "tok", "--quiet"]) == 0
+    rows = pq.read_table(out).to_pylist()
+    assert [image["bytes"] for image in rows[0]["images"]] == [_png(0)]
+    assert main("sft", [str(tmp_path / "x.jsonl"), "--store", str(mixed_store.root), "--keep-images"]) == 2
+    assert "Parquet" in capsys.readouterr().err
