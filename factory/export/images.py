@@ -34,9 +34,8 @@ VISION_MESSAGES_TYPE = pa.list_(pa.struct([pa.field("role", pa.string()), pa.fie
 IMAGES_TYPE = pa.list_(pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())]))
 # `datasets` reads this schema metadata as the column's feature, so `load_dataset("parquet", ...)` yields pictures.
 # "Sequence" (not datasets 4's "List") is understood by old and new `datasets` alike.
-HF_FEATURES_METADATA = {
-    b"huggingface": json.dumps({"info": {"features": {"images": {"feature": {"_type": "Image"}, "_type": "Sequence"}}}}).encode()
-}
+_IMAGES_FEATURE = {"feature": {"_type": "Image"}, "_type": "Sequence"}
+HF_FEATURES_METADATA = {b"huggingface": json.dumps({"info": {"features": {"images": _IMAGES_FEATURE}}}).encode()}
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 
@@ -84,7 +83,9 @@ def has_images(messages: Any, group_images: Any) -> bool:
         return False
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content):
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content
+        ):
             return True
     return False
 

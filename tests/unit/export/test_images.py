@@ -1,4 +1,4 @@
-"""Multimodal groups: with output.images they export in TRL's vision layout, pictures byte for byte; without it they are counted out."""
+"""Multimodal groups: output.images exports them in TRL's vision layout, pictures byte for byte; else counted out."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import pytest
 
 from environments.groups import MASK_IGNORE, ScoredGroup
 from environments.shape_count import draw, image_part
-from factory.export import DpoExportConfig, OutputConfig, SelectionConfig, SftExportConfig, SourceConfig, export_dpo, export_sft
+from factory.export import (
+    DpoExportConfig,
+    OutputConfig,
+    SelectionConfig,
+    SftExportConfig,
+    SourceConfig,
+    export_dpo,
+    export_sft,
+)
 from factory.export.images import IMAGE_NOT_INLINE, MULTIMODAL_SKIPPED, vision_messages
 from factory.export.render import Renderer, trl_layout_problem
 from factory.export.source import group_from_wire
