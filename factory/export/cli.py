@@ -13,6 +13,9 @@ The flags keep Atropos's names and meanings; what differs, and why:
 - a path ending in .jsonl or .parquet is one file, any other path a directory
   of Parquet shards; `--append-to-previous` / `--overwrite` as Atropos refuses
   to overwrite otherwise;
+- `--keep-images` writes multimodal sequences in TRL's vision layout (image
+  placeholders in messages, an `images` column of the pictures' bytes);
+  without it they are left out and counted as `multimodal_needs_output_images`;
 - `--max-token-len` also drops longer sequences; `--group-size` only sizes
   the /register batch, as in Atropos.
 """
@@ -79,6 +82,8 @@ def _parser(kind: str) -> argparse.ArgumentParser:
     add("--append-to-previous", action="store_true", help="Add to an existing output.")
     add("--overwrite", action="store_true", help="Replace an existing output.")
     add("--format", choices=["parquet", "jsonl"], default=None, help="Format of a directory output (default parquet).")
+    add("--keep-images", action="store_true",
+        help="Keep multimodal sequences: image placeholders in messages and an images column (Parquet).")
     add("--no-extra-columns", action="store_true", help="Write only the TRL columns (no score, group_id, env, ...).")
     add("--prefect", action="store_true", help="Run as the Prefect flow (records a summary artifact).")
     add("--quiet", action="store_true", help="Print only the final summary line.")
@@ -101,7 +106,7 @@ def build_export_config(kind: str, args: argparse.Namespace) -> SftExportConfig 
         api_idle_timeout_s=args.api_idle_timeout,
         api_reset_first=args.reset_api,
     )
-    text = bool(args.tokenizer) and not args.save_messages
+    text = bool(args.tokenizer) and not args.save_messages and not args.keep_images
     output = OutputConfig(
         path=args.filepath,
         format=args.format,
@@ -109,6 +114,7 @@ def build_export_config(kind: str, args: argparse.Namespace) -> SftExportConfig 
         prompt_completion=getattr(args, "prompt_completion", False),
         tokenizer=args.tokenizer,
         extra_columns=not args.no_extra_columns,
+        images=args.keep_images,
         overwrite=args.overwrite,
         append=args.append_to_previous,
     )

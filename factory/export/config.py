@@ -73,6 +73,11 @@ class OutputConfig(FactoryConfig):
     overwrite: bool = Field(False, description="Replace an existing output.")
     append: bool = Field(False, description="Add to an existing output (Atropos's --append-to-previous).")
     rows_per_shard: int = Field(200_000, ge=1, description="Rows per shard when the output is a directory.")
+    images: bool = Field(
+        False,
+        description="Keep multimodal sequences in TRL's vision layout: content parts with image placeholders and an "
+        "`images` column of the pictures' bytes (Parquet, conversational). Off: they are left out, counted.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> OutputConfig:
@@ -80,6 +85,12 @@ class OutputConfig(FactoryConfig):
             raise ValueError("output.overwrite and output.append exclude each other: pick one")
         if self.style == "text" and not self.tokenizer:
             raise ValueError("output.style 'text' needs output.tokenizer (a tokenizer dir or hub id with a chat template)")
+        if self.images and self.style == "text":
+            raise ValueError("output.images writes message lists with image placeholders; it needs output.style "
+                             "'conversational' (drop --tokenizer or add --save-messages)")
+        if self.images and self.resolved_format != "parquet":
+            raise ValueError("output.images writes the pictures' bytes, which only Parquet holds: write a .parquet "
+                             "file or a directory of Parquet shards")
         suffix_format = SINGLE_FILE_SUFFIXES.get(Path(self.path).suffix)
         if suffix_format and self.format and self.format != suffix_format:
             raise ValueError(f"output.path {self.path!r} ends in {Path(self.path).suffix} but output.format is {self.format!r}")

@@ -16,6 +16,7 @@ from typing import Any
 
 from factory.export import select as rules
 from factory.export.config import DpoExportConfig, SftExportConfig
+from factory.export.images import MULTIMODAL_SKIPPED
 from factory.export.render import Renderer, load_tokenizer
 from factory.export.source import ExportGroup, iter_groups
 from factory.export.stats import DedupSet, ExportStats
@@ -50,7 +51,7 @@ def _sft_rows(
                 break
             row = renderer.sft_row(group, index)
             if row is None:
-                stats.dropped[rules.UNRENDERABLE] += 1
+                stats.dropped[renderer.drop_reason or rules.UNRENDERABLE] += 1
                 continue
             if seen is not None and not seen.add(renderer.content_hash(row)):
                 stats.dropped[rules.DUPLICATE] += 1
@@ -74,7 +75,7 @@ def _dpo_rows(
         for pair in pairs:
             row = renderer.dpo_row(group, pair)
             if row is None:
-                stats.dropped[rules.UNRENDERABLE] += 2
+                stats.dropped[renderer.drop_reason or rules.UNRENDERABLE] += 2
                 continue
             if seen is not None and not seen.add(renderer.content_hash(row)):
                 stats.dropped[rules.DUPLICATE] += 2
@@ -120,6 +121,9 @@ def _run(
         if close is not None:
             close()
     stats.seconds = time.perf_counter() - started
+    if stats.dropped[MULTIMODAL_SKIPPED]:
+        logger.warning("%d multimodal sequences (with images) left out of the %s export: set output.images "
+                       "(--keep-images) to write them in TRL's vision layout", stats.dropped[MULTIMODAL_SKIPPED], kind)
     logger.info("%s export: %d groups, %d sequences in, %d rows out in %.1f s (dropped: %s)", kind, stats.groups_in,
                 stats.rows_in, stats.rows_out, stats.seconds, dict(stats.dropped))
     return stats

@@ -6,6 +6,11 @@ rendered with a tokenizer's chat template. DPO rows are `prompt`, `chosen`,
 `rejected`, all message lists or all strings. Rows never carry `input_ids`,
 `labels`, `image` or `images` (TRL would take them as pre-tokenized or
 vision data), and a `prompt` column never sits next to `messages`.
+With `output.images` the rows take TRL's vision layout instead: message
+content becomes a list of parts with `{"type": "image"}` placeholders, and an
+`images` column holds the pictures' bytes (see `images`). Without it a
+multimodal sequence is left out and counted as `multimodal_needs_output_images`
+(a text-only row would train on a question about a picture it never shows).
 Groups without messages can still be written as text: the prompt is the
 decoded masked (-100) tokens, the completion the decoded trained tokens.
 """
@@ -18,6 +23,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.export import images as vision
+from factory.export import select as rules
 from factory.export.config import OutputConfig
 from factory.export.select import Pair
 from factory.export.source import ExportGroup
@@ -60,9 +67,12 @@ def _clean(messages: Any) -> list[Message] | None:
     return cleaned
 
 
-def trl_layout_problem(columns: list[str], kind: str) -> str | None:
-    """Why TRL would misread a dataset with these columns, or None if it reads them as intended."""
-    reserved = [c for c in columns if c in RESERVED_COLUMNS]
+def trl_layout_problem(columns: list[str], kind: str, images: bool = False) -> str | None:
+    """Why TRL would misread a dataset with these columns, or None if it reads them as intended.
+
+    `images=True`: the `images` column is meant as TRL's vision data.
+    """
+    reserved = [c for c in columns if c in RESERVED_COLUMNS and not (images and c == "images")]
     if reserved:
         return f"columns {reserved} are read specially by TRL (pre-tokenized or vision data)"
     if kind == "sft" and "messages" in columns and "prompt" in columns:
@@ -92,6 +102,8 @@ class Renderer:
         self.prompt_completion = output.prompt_completion
         self.extra = output.extra_columns
         self.tokenizer = tokenizer
+        self.images = output.images
+        self.drop_reason: str | None = None  # why the last sft_row / dpo_row returned None
         if self.text and tokenizer is None:
             raise RenderError("output.style 'text' needs a tokenizer: set output.tokenizer")
 
@@ -104,25 +116,37 @@ class Renderer:
         return ["text"] if self.text else ["messages"]
 
     def schema(self) -> pa.Schema:
-        value_type = pa.string() if self.text else MESSAGES_TYPE
+        value_type = pa.string() if self.text else vision.VISION_MESSAGES_TYPE if self.images else MESSAGES_TYPE
         fields = [pa.field(name, value_type) for name in self.content_columns()]
+        if self.images:
+            fields.append(pa.field("images", vision.IMAGES_TYPE))
         if self.extra:
             scores = ["score_chosen", "score_rejected"] if self.kind == "dpo" else ["score"]
             fields += [pa.field(name, pa.float64()) for name in scores] + _EXTRA
-        schema = pa.schema(fields)
-        problem = trl_layout_problem(schema.names, self.kind)
+        schema = pa.schema(fields, metadata=vision.HF_FEATURES_METADATA if self.images else None)
+        problem = trl_layout_problem(schema.names, self.kind, images=self.images)
         if problem:
             raise RenderError(f"refusing to write columns {schema.names}: {problem}")
         return schema
 
     # ---- one sequence ----
     def _parts(self, group: ExportGroup, index: int) -> tuple[Any, Any] | None:
-        """(prompt, completion) of one sequence: message lists, or strings in text style."""
+        """(prompt, completion) of one sequence: message lists, or strings in text style.
+
+        None when it cannot be rendered, with the reason in `drop_reason`.
+        """
+        self.drop_reason = rules.UNRENDERABLE
         conversations = group.messages
+        if self.images:
+            return self._vision_parts(group, index)
         if conversations is not None:
             messages = _clean(conversations[index])
+            if messages is not None and group.images:
+                messages = None  # the pictures live only in the group's images field
             parts = split_conversation(messages) if messages else None
             if parts is None:
+                if vision.has_images(conversations[index], group.images):
+                    self.drop_reason = vision.MULTIMODAL_SKIPPED
                 return None
             if not self.text:
                 return parts
@@ -134,9 +158,27 @@ class Renderer:
             return prompt, full[len(prompt) :]
         if not self.text:
             return None
+        if group.images:
+            self.drop_reason = vision.MULTIMODAL_SKIPPED
+            return None
         tokens, masks = group.tokens(index), group.masks(index)
         cut = next((i for i, m in enumerate(masks) if m != -100), len(masks))
         return self.tokenizer.decode(tokens[:cut]), self.tokenizer.decode(tokens[cut:])
+
+    def _vision_parts(self, group: ExportGroup, index: int) -> tuple[Any, Any, list[bytes]] | None:
+        """(prompt, completion, pictures) in TRL's vision layout (conversational style only)."""
+        conversations = group.messages
+        if conversations is None:
+            return None
+        try:
+            messages, pictures = vision.vision_messages(conversations[index], group.images)
+        except vision.Skip as skip:
+            self.drop_reason = skip.reason
+            return None
+        parts = split_conversation(messages)
+        if parts is None:
+            return None
+        return parts[0], parts[1], pictures
 
     def _template(self, messages: list[Message], generation_prompt: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -151,11 +193,13 @@ class Renderer:
         parts = self._parts(group, index)
         if parts is None:
             return None
-        prompt, completion = parts
+        prompt, completion = parts[0], parts[1]
         if self.prompt_completion:
             row: dict[str, Any] = {"prompt": prompt, "completion": completion}
         else:
             row = {"text": prompt + completion} if self.text else {"messages": prompt + completion}
+        if self.images:
+            row["images"] = vision.image_column(parts[2])
         if self.extra:
             row["score"] = group.scores[index]
             row.update(self._meta(group))
@@ -166,6 +210,11 @@ class Renderer:
         if chosen is None or rejected is None:
             return None
         row: dict[str, Any] = {"prompt": chosen[0], "chosen": chosen[1], "rejected": rejected[1]}
+        if self.images:
+            if vision.count_placeholders(chosen[1]) or vision.count_placeholders(rejected[1]):
+                self.drop_reason = vision.IMAGE_IN_COMPLETION
+                return None
+            row["images"] = vision.image_column(chosen[2])
         if self.extra:
             row["score_chosen"] = group.scores[pair.chosen]
             row["score_rejected"] = group.scores[pair.rejected]
@@ -181,4 +230,7 @@ class Renderer:
                 digest.update(b"\x1d" + value.encode())
             else:
                 digest.update(b"\x1d" + "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in value).encode())
+        if self.images:
+            for picture in row["images"]:
+                digest.update(b"\x1c" + picture["bytes"])
         return int.from_bytes(digest.digest(), "little", signed=True)

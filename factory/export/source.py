@@ -25,7 +25,7 @@ from factory.store import ShardStore
 
 logger = logging.getLogger(__name__)
 
-_META_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages"]
+_META_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages", "images"]
 
 
 class SourceError(RuntimeError):
@@ -48,6 +48,8 @@ class ExportGroup:
     _tokens: list[list[int]] | None = None
     _masks: list[list[int]] | None = None
     _arrow_row: tuple[pa.Array, pa.Array, int] | None = None
+    _images: Any = None
+    _images_json: str | None = None
 
     @property
     def messages(self) -> list[list[dict[str, Any]]] | None:
@@ -55,6 +57,14 @@ class ExportGroup:
             self._messages = orjson.loads(self._messages_json)
             self._messages_json = None
         return self._messages
+
+    @property
+    def images(self) -> Any:
+        """The group's pictures (multimodal groups: base64 strings or data URLs), or None."""
+        if self._images is None and self._images_json is not None:
+            self._images = orjson.loads(self._images_json)
+            self._images_json = None
+        return self._images
 
     def tokens(self, index: int) -> list[int]:
         if self._tokens is not None:
@@ -109,6 +119,8 @@ def groups_from_batch(batch: pa.RecordBatch) -> Iterator[ExportGroup]:
     ids, runs, envs, keys = (columns[name].to_pylist() for name in ("group_id", "run_id", "env", "item_key"))
     scores = batch.column("scores").to_pylist()
     messages = batch.column("messages").to_pylist()
+    images = batch.column("images") if "images" in batch.schema.names else None
+    images = images.to_pylist() if images is not None and images.null_count < batch.num_rows else None
     tokens, masks = (batch.column("tokens"), batch.column("masks")) if has_tokens else (None, None)
     for row in range(batch.num_rows):
         start, end = int(offsets[row]), int(offsets[row + 1])
@@ -121,6 +133,7 @@ def groups_from_batch(batch: pa.RecordBatch) -> Iterator[ExportGroup]:
             seq_lens=per_seq_list[start:end],
             completion_lens=completion_list[start:end],
             _messages_json=messages[row],
+            _images_json=images[row] if images is not None else None,
             _arrow_row=(tokens, masks, row) if has_tokens else None,
         )
 
@@ -168,6 +181,7 @@ def group_from_wire(data: dict[str, Any]) -> ExportGroup:
         seq_lens=[len(t) for t in tokens],
         completion_lens=[len(mask) - mask.count(MASK_IGNORE) for mask in masks],
         _messages=data.get("messages"),
+        _images=data.get("images"),
         _tokens=tokens,
         _masks=masks,
     )
