@@ -101,7 +101,8 @@ def build_config(
     from_cli = parse_cli_overrides(cli_args)
     data = deep_merge(deep_merge(from_yaml, values or {}), from_cli)
     # Highest precedence first: an error names where the bad key came from.
-    sources = [("the command line", from_cli), ("the flow parameters", values or {}), (f"config file {yaml_path}", from_yaml)]
+    sources = [("the command line", from_cli), ("the flow parameters", values or {}),
+               (f"config file {yaml_path}", from_yaml)]
     return validate_config(model, data, sources=sources)
 
 

@@ -109,8 +109,9 @@ def test_sigterm_commits_what_finishes_in_grace_marks_the_run_cancelled_and_exit
         time.sleep(0.1)
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    out, err = process.communicate(timeout=60)
     took = time.monotonic() - signalled
+    assert "progress: intern-bootcamp: 1/100 chunks, " in out + err  # the terminal progress line
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert took < 5 + 3 + 10, took  # grace + watchdog margin + a loaded machine; before: ran to the end (~10 min)
     assert last_line(err).startswith("error: stopped by SIGTERM"), err[-2000:]

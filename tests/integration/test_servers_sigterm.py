@@ -3,9 +3,7 @@ commits (fsync) every group it acknowledged before it exits."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
