@@ -46,7 +46,7 @@ class RLLoopConfig(FactoryConfig):
     difficulties: list[int] = Field([1], description="Difficulty levels.")
     group_size: int = Field(8, ge=2, description="Responses per problem.")
     batch_size: int = Field(64, ge=1, description="Sequences per trainer step.")
-    lr: float = Field(1e-3, gt=0, description="Trainer learning rate.")
+    lr: float = Field(3e-4, gt=0, description="Trainer learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Trainer linear warmup steps.")
     checkpoint_every: int = Field(2, ge=1, description="Checkpoint + weight push every K steps.")
     max_policy_lag: int = Field(4, ge=0, description="Batching API skips groups more than this many versions old.")

@@ -9,7 +9,6 @@ current policy's logprob (ratio 1, on-policy).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -140,11 +139,3 @@ def micro_batches(sequences: list[TrainSequence], size: int, aggregation: Litera
         idx = order[start : start + size]
         out.append(collate([sequences[i] for i in idx], [weights[i] for i in idx], pad_id))
     return out
-
-
-def is_missing(values: torch.Tensor) -> torch.Tensor:
-    return torch.isnan(values)
-
-
-def finite_or(value: float, default: float = 0.0) -> float:
-    return value if math.isfinite(value) else default
