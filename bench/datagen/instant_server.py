@@ -3,7 +3,9 @@
 Each choice is `<answer>N</answer>` with N drawn from a few values around the
 right sum, so groups usually have differing scores (neither side drops them).
 Raw asyncio HTTP/1.1 with keep-alive: the server costs far less than either
-client, so the clients' own overhead is what the benchmark compares.
+client, so the clients' own overhead is what the benchmark compares. With
+`--workers N` N processes share the port (SO_REUSEPORT); the bench picks the
+fastest setting for the raw limit and uses it for every side.
 
     python -m bench.datagen.instant_server --port 31500
 """
@@ -13,8 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import re
+import signal
 
 _NUMBERS = re.compile(r"(\d+)\+(\d+)")
 
@@ -54,16 +59,35 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
         writer.close()
 
 
-async def serve(port: int) -> None:
-    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+async def serve(port: int, parent: int | None = None) -> None:
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024, reuse_port=True)
     async with server:
-        await server.serve_forever()
+        while parent is not None and os.getppid() == parent:  # a worker exits when the first process goes
+            await asyncio.sleep(1)
+        if parent is None:
+            await server.serve_forever()
+
+
+def _worker(port: int, parent: int) -> None:
+    asyncio.run(serve(port, parent))
+
+
+def _stop(*_args) -> None:
+    """SIGTERM: take the worker processes down too, then leave at once (no traceback from the open connections)."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+    os._exit(0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    asyncio.run(serve(parser.parse_args().port))
+    parser.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _stop)
+    for _ in range(args.workers - 1):
+        multiprocessing.Process(target=_worker, args=(args.port, os.getpid()), daemon=True).start()
+    asyncio.run(serve(args.port))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,28 @@
 """Datagen throughput: the factory's flow vs the raw client limit vs Atropos's `process` mode, then end to end on CPU.
 
-    ATROPOS_VENV=/opt/atropos-venv python -m bench.datagen.run --groups 2000 --group-size 8
+    ATROPOS_VENV=/work/.venv-atropos python -m bench.datagen.run --groups 2000 --group-size 8
+    python -m bench.datagen.run --smoke          # seconds: every path once, tiny sizes
 
-1. Against an instant OpenAI-compatible server (bench/datagen/instant_server.py),
-   the same calls three ways: a plain `AsyncOpenAI` loop (one chat call with
-   n=group_size per group, 64 in flight: the raw limit), the factory's
-   intern-bootcamp-datagen flow on the `arithmetic` family (real Prefect server,
-   tokenization, scoring, grouping and Parquet shards included), and
-   atroposlib 0.4.0's `process` mode on the same environment (its own venv; its
-   start-up time, measured with a 1-group run, is subtracted).
-2. Against the local CPU policy server (starter policy if present, else a tiny
-   random one): end-to-end rollouts/s and the share of wall time in inference.
+1. The raw limit. The instant OpenAI-compatible server (instant_server.py) and
+   the plain client (raw_client.py: hand-written HTTP on sockets, aiohttp with
+   a tuned connector, httpx with small pools; 1 or 2 processes) are probed in
+   every combination; the fastest pair is the raw limit, and every side below
+   calls that same server.
+2. Side by side in interleaved rounds (bench/harness.py): the raw limit; the
+   factory's intern-bootcamp-datagen flow on the `arithmetic` family (real
+   Prefect server; tokenization, scoring, grouping and Parquet commits
+   included), with inline scoring and with scorer processes; atroposlib 0.4.0's
+   `process` mode on the same environment (its venv, one group at a time as
+   that mode runs; the same tokenization work as ours; its HTML report timed
+   apart). Ratios are to the raw limit within each round.
+3. End to end on the local CPU policy server (starter policy if built, else a
+   tiny random one): rollouts/s and the share of wall time in inference.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -26,14 +32,20 @@ from pathlib import Path
 
 import httpx
 
+from bench import harness
+from bench.atropos_venv import atropos_available, atropos_python
+from bench.datagen import raw_client
+from factory.inference.local_server import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "out" / "datagen"
 
 
-def free_port() -> int:
-    from factory.inference.local_server import _free_port
+STARTED = time.monotonic()
 
-    return _free_port()
+
+def phase(name: str) -> None:
+    print(f"[bench.datagen] {time.monotonic() - STARTED:6.1f}s {name}", file=sys.stderr, flush=True)
 
 
 def wait_up(url: str, timeout: float = 60) -> None:
@@ -57,67 +69,93 @@ def tiny_policy() -> Path:
     return path
 
 
-async def raw_loop(base_url: str, groups: int, group_size: int, concurrency: int = 64) -> float:
-    import openai
+class InstantServer:
+    """bench/datagen/instant_server.py in its own process group, `workers` processes on one port."""
 
-    sdk = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0,
-                             http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 8)))
-    gate = asyncio.Semaphore(concurrency)
+    def __init__(self, workers: int) -> None:
+        self.workers, self.port = workers, free_port()
+        self.process = subprocess.Popen([sys.executable, "-m", "bench.datagen.instant_server", "--port",
+                                         str(self.port), "--workers", str(workers)], cwd=REPO)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        wait_up(f"{self.base_url}/models")
 
-    async def one(i: int) -> None:
-        async with gate:
-            await sdk.chat.completions.create(
-                model="m", n=group_size, max_tokens=16,
-                messages=[{"role": "user", "content": f"Compute {10 + i % 90}+{20 + i % 70}. Put the answer in <answer></answer>."}])
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
 
-    started = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(groups)))
-    elapsed = time.perf_counter() - started
-    await sdk.close()
-    return groups / elapsed
+    def __enter__(self) -> InstantServer:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
 
 
-def factory_flow(base_url: str, groups: int, group_size: int, tokenizer: Path, store: Path, **datagen) -> tuple[float, dict]:
+def probe_raw_limit(groups: int, group_size: int, smoke: bool) -> tuple[list[dict], dict]:
+    """Every server-workers x client x processes combination once; returns the rows and the fastest."""
+    clients = [("sockets", sys.executable), ("httpx", sys.executable)]
+    if atropos_available():  # aiohttp is not a factory dependency; the Atropos venv has it
+        clients.insert(1, ("aiohttp", str(atropos_python())))
+    rows = []
+    for workers in (1,) if smoke else (1, 2):
+        server = InstantServer(workers)
+        try:
+            for kind, python in clients:
+                for procs in (1, 2):
+                    if smoke and (procs == 2 or kind == "httpx"):
+                        continue
+                    done = subprocess.run([python, raw_client.__file__, "--url", server.base_url, "--kind", kind,
+                                           "--groups", str(groups), "--group-size", str(group_size),
+                                           "--procs", str(procs)], capture_output=True, text=True, check=True)
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    rows.append({**result, "server_workers": workers, "python": python})
+        finally:
+            server.stop()
+    return rows, max(rows, key=lambda row: row["groups_per_s"])
+
+
+def raw_side(best: dict, base_url: str, groups: int, group_size: int) -> float:
+    done = subprocess.run([best["python"], raw_client.__file__, "--url", base_url, "--kind", best["kind"],
+                           "--groups", str(groups), "--group-size", str(group_size), "--procs", str(best["procs"])],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["groups_per_s"]
+
+
+def factory_flow(base_url: str, groups: int, group_size: int, tokenizer: Path, store: Path, **datagen) -> dict:
     from flows.datagen import intern_bootcamp_datagen
 
-    run_id = f"bench-{int(time.time() * 1000)}"
     started = time.perf_counter()
     summary = intern_bootcamp_datagen(
         env={"task_name": "arithmetic", "difficulties": [1], "group_size": group_size, "total_items": groups,
              "max_tokens": 16, "tokenizer_name": str(tokenizer), "ensure_scores_are_not_same": False},
         openai={"base_url": base_url, "server_type": "openai", "model_name": "m", "num_max_requests_at_once": 64},
-        datagen={"store_root": str(store), "run_id": run_id, "chunk_items": max(groups // 4, 1), "max_in_flight": 64,
-                 **datagen},
+        datagen={"store_root": str(store), "run_id": f"bench-{time.time_ns()}", "chunk_items": max(groups // 4, 1),
+                 "max_in_flight": 64, **datagen},
     )
-    return groups / (time.perf_counter() - started), summary
+    whole = groups / (time.perf_counter() - started)
+    return {"groups/s": whole, "groups/s, pipeline only": summary["session_groups_per_s"] or 0.0}
 
 
-def atropos_process(base_url: str, groups: int, group_size: int, tokenizer: Path, work: Path) -> float | None:
-    sys.path.insert(0, str(REPO))
-    from bench.atropos_venv import atropos_python
-
-    try:
-        python = atropos_python()
-    except (subprocess.CalledProcessError, OSError) as error:
-        print(f"[bench] Atropos venv unavailable ({error}); skipping the Atropos column", file=sys.stderr)
-        return None
-
-    def run(steps: int) -> float:
-        out = work / f"atropos-{steps}-{time.time_ns()}.jsonl"
-        cmd = [str(python), str(REPO / "bench/datagen/atropos_arith_env.py"), "process",
-               "--env.total_steps", str(steps), "--env.group_size", str(group_size), "--env.use_wandb", "false",
-               "--env.tokenizer_name", str(tokenizer), "--env.data_path_to_save_groups", str(out),
-               "--openai.base_url", base_url, "--openai.model_name", "m", "--openai.api_key", "x"]
-        started = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
-        elapsed = time.perf_counter() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"Atropos process mode failed: {done.stderr[-2000:]}")
-        return elapsed
-
-    startup = run(1)
-    total = run(groups + 1)
-    return groups / max(total - startup, 1e-6)
+def atropos_process(python: Path, base_url: str, groups: int, group_size: int, tokenizer: Path, work: Path) -> dict:
+    """One `process` run; the loop's rate (setup to the JSONL's close) and the whole process's (report excluded)."""
+    out, timing = work / f"atropos-{time.time_ns()}.jsonl", work / f"atropos-{time.time_ns()}.timing.json"
+    cmd = [str(python), str(REPO / "bench/datagen/atropos_arith_env.py"), "process",
+           "--env.total_steps", str(groups), "--env.group_size", str(group_size), "--env.use_wandb", "false",
+           "--env.tokenizer_name", str(tokenizer), "--env.data_path_to_save_groups", str(out),
+           "--openai.base_url", base_url, "--openai.model_name", "m", "--openai.api_key", "x"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "BENCH_TIMING": str(timing)}
+    env.pop("PYTHONPATH", None)
+    started = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)
+    ended = time.time()
+    if done.returncode != 0 or not timing.is_file():
+        raise RuntimeError(f"Atropos process mode failed: {done.stderr[-2000:]}")
+    times = json.loads(timing.read_text())
+    written = sum(1 for _ in out.open())
+    if written != groups:
+        raise RuntimeError(f"Atropos wrote {written} groups, expected {groups}")
+    report = times["report_end"] - times["loop_end"]
+    return {"groups/s, pipeline only": groups / (times["loop_end"] - times["loop_start"]),
+            "groups/s, whole process (report excluded)": groups / (ended - started - report)}
 
 
 def end_to_end(groups: int, group_size: int, store: Path) -> dict:
@@ -136,55 +174,61 @@ def end_to_end(groups: int, group_size: int, store: Path) -> dict:
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--e2e-groups", type=int, default=64)
-    parser.add_argument("--skip-atropos", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's process mode")
+    harness.add_bench_args(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.groups, args.e2e_groups = min(args.groups, 16), min(args.e2e_groups, 4)
+    pairs, json_out = harness.pairs_from(args), harness.json_path("datagen", args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     OUT.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-datagen-"))
+    atropos = None
+    if not args.skip_atropos:
+        if atropos_available() or not args.smoke:
+            atropos = atropos_python()
+        else:
+            print("[bench] no Atropos venv (bench/atropos_venv.py); smoke run leaves that side out", file=sys.stderr)
 
-    from factory.local_prefect import LocalPrefect
-
-    stack = LocalPrefect(home=work / "prefect", port=free_port())
-    stack.up(worker=False)
-    os.environ.update(stack.environ())
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "bench.datagen.instant_server", "--port", str(port)], cwd=REPO)
-    base_url = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_up(f"{base_url}/models")
+    phase("probing the raw limit")
+    probe_rows, best = probe_raw_limit(max(args.groups, 200 if args.smoke else 2000), args.group_size, args.smoke)
+    phase("Prefect server")
+    with harness.prefect_server(work / "prefect"), InstantServer(best["server_workers"]) as server:
         tokenizer = tiny_policy()
-        raw = asyncio.run(raw_loop(base_url, args.groups, args.group_size))
-        flow_rate, summary = factory_flow(base_url, args.groups, args.group_size, tokenizer, work / "store")
-        process_rate, process_summary = factory_flow(base_url, args.groups, args.group_size, tokenizer, work / "store",
-                                                     score_mode="process")
-        atropos = None if args.skip_atropos else atropos_process(base_url, args.groups, args.group_size, tokenizer, work)
+        g, n, url = args.groups, args.group_size, server.base_url
+        sides = [harness.Side(f"raw limit ({best['kind']}, {best['procs']} proc)", lambda: raw_side(best, url, g, n)),
+                 harness.Side("factory flow, inline scoring",
+                              lambda: factory_flow(url, g, n, tokenizer, work / "store")),
+                 harness.Side("factory flow, scorer processes",
+                              lambda: factory_flow(url, g, n, tokenizer, work / "store", score_mode="process"))]
+        if atropos is not None:
+            sides.append(harness.Side("atroposlib 0.4.0 process mode",
+                                      lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
+        phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
+        result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
+                                 label=f"{g} groups of {n}, instant server x{best['server_workers']}")
+        phase("end to end on the local policy server")
         e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
-    finally:
-        server.terminate()
-        server.wait()
-        stack.down()
+    phase("done")
 
-    print(f"\n## datagen throughput, {args.groups} groups of {args.group_size}, instant OpenAI-compatible server")
-    print(f"{'path':58} {'groups/s':>9} {'vs raw':>7}")
-    rows = [("plain AsyncOpenAI loop (raw limit, 64 in flight)", raw),
-            ("factory flow, whole flow call (default: inline scoring)", flow_rate),
-            ("factory flow, pipeline only (summary's session rate)", summary["session_groups_per_s"] or 0.0),
-            ("factory flow, whole call, scorer processes (incl. start)", process_rate),
-            ("factory flow, pipeline only, scorer processes", process_summary["session_groups_per_s"] or 0.0)]
-    if atropos is not None:
-        rows.append(("Atropos 0.4.0 process mode (start-up subtracted)", atropos))
-    for name, rate in rows:
-        print(f"{name:58} {rate:9.1f} {rate / raw:7.2f}")
-    print(f"\n## end to end on the local CPU policy server ({e2e['model']}, {args.e2e_groups} problems x {args.group_size})")
-    print(f"rollouts/s {e2e['session_rollouts_per_s']}, completion tokens/s {e2e['session_tokens_per_s']}, "
-          f"share of wall time in inference {e2e['inference_share']}, groups kept {e2e['groups_kept']}, "
-          f"dropped {e2e['dropped']}")
+    harness.print_table(["server workers", "client", "processes", "groups/s"],
+                        [(r["server_workers"], r["kind"], r["procs"], r["groups_per_s"]) for r in probe_rows],
+                        title=f"raw limit probe ({probe_rows[0]['groups']} groups of {args.group_size}, 64 "
+                              "connections per process)")
+    harness.print_comparison(result, title=f"datagen throughput, {args.groups} groups of {args.group_size}, "
+                                           f"instant server with {best['server_workers']} worker(s)",
+                             json_out=json_out)
+    harness.print_table(["model", "problems", "rollouts/s", "completion tokens/s", "inference share", "kept",
+                         "dropped"],
+                        [(e2e["model"], args.e2e_groups, e2e["session_rollouts_per_s"], e2e["session_tokens_per_s"],
+                          e2e["inference_share"], e2e["groups_kept"], sum(e2e["dropped"].values()))],
+                        title=f"end to end on the local CPU policy server ({args.group_size} per problem)")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """SFT export rows/s: the factory's `atropos-sft-gen` (shard store) vs atroposlib's `atropos-sft-gen` (run-api).
 
-    ATROPOS_VENV=/opt/atropos-venv python bench/export/bench_export.py --groups 1024
-    python bench/export/bench_export.py --memory 100000,1000000    # peak RSS of exports of two sizes
-    BENCH_DEDUP=0 python bench/export/bench_export.py --memory ...  # the same without the dedup set
+    ATROPOS_VENV=/work/.venv-atropos python -m bench.export.run --groups 1024   # 3 interleaved rounds
+    python -m bench.export.run --smoke                                          # seconds (CI)
+    python -m bench.export.run --memory 100000,1000000    # peak RSS of exports of two sizes
+    BENCH_DEDUP=0 python -m bench.export.run --memory ...  # the same without the dedup set
 
 Both sides get the same synthetic groups (8 sequences each) and the same rules
 (top 3 per group, positive scores, message lists). Atropos's CLI reads them
 from its run-api, which the bench starts in atroposlib's venv and fills through
 /scored_data_list once the CLI has registered; the factory reads the store.
 Each side is timed from the start of its command to its exit (Atropos's from
-the first POST, so filling its queue overlaps its reading). Prints a table.
+the first POST, so filling its queue overlaps its reading). The sides run in
+interleaved rounds (bench/harness.py), atroposlib's the baseline of the ratio.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.atropos_venv import atropos_python  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.atropos_venv import atropos_available, atropos_python  # noqa: E402
+from factory.inference.local_server import free_port  # noqa: E402
 from factory.store import ShardStore  # noqa: E402
 from factory.synthetic import synthetic_group  # noqa: E402
 
@@ -90,14 +94,13 @@ def _wait_http(url: str, deadline_s: float = 120) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def run_atropos(wire: list[dict], rows: int, work: Path, port: int) -> tuple[float, int]:
+def run_atropos(wire: list[dict], rows: int, work: Path, port: int, out: Path) -> tuple[float, int]:
     python = atropos_python()
     bin_dir = python.parent
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     api = subprocess.Popen([str(bin_dir / "run-api"), "--port", str(port)], env=env, cwd=work,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    out = work / "atropos_sft.jsonl"
     try:
         _wait_http(f"{url}/")
         cli = subprocess.Popen(
@@ -121,19 +124,32 @@ def run_atropos(wire: list[dict], rows: int, work: Path, port: int) -> tuple[flo
     return seconds, sum(1 for _ in open(out))
 
 
-def speed(groups: int) -> None:
+def _side(run, rows: int, out: Path):
+    """A harness side: one export into a fresh `out`; rows/s, and the row count checked against the expected."""
+    def measure() -> dict:
+        out.unlink(missing_ok=True)
+        seconds, written = run(out)
+        if written != rows:
+            raise RuntimeError(f"{out.name}: wrote {written} rows, expected {rows}")
+        return {"rows/s": written / seconds, "seconds": seconds}
+    return measure
+
+
+def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool) -> None:
+    """Both exporters in interleaved rounds over the same groups (atroposlib's the baseline)."""
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         work = Path(tmp)
         wire = make_store(work / "store", groups)
         rows = expected_rows(wire)
-        f_s, f_rows = run_factory(work / "store", work / "factory_sft.jsonl")
-        a_s, a_rows = run_atropos(wire, rows, work, port=int(os.environ.get("BENCH_PORT", "18765")))
-    print(f"\nSFT export of {groups} groups x {GROUP_SIZE} (top {TOP_N}, positive scores, messages); {rows} rows expected\n")
-    print("| exporter | rows | seconds | rows/s | vs atroposlib |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| atroposlib 0.4.0 atropos-sft-gen (run-api) | {a_rows} | {a_s:.2f} | {a_rows / a_s:,.0f} | 1.0x |")
-    ratio = (f_rows / f_s) / (a_rows / a_s)
-    print(f"| factory atropos-sft-gen (shard store) | {f_rows} | {f_s:.2f} | {f_rows / f_s:,.0f} | {ratio:.1f}x |")
+        sides = [harness.Side("factory atropos-sft-gen (shard store)",
+                              _side(lambda out: run_factory(work / "store", out), rows, work / "factory_sft.jsonl"))]
+        if with_atropos:
+            sides.insert(0, harness.Side("atroposlib 0.4.0 atropos-sft-gen (run-api)",
+                                         _side(lambda out: run_atropos(wire, rows, work, free_port(), out), rows,
+                                               work / "atropos_sft.jsonl")))
+        result = harness.compare("export", sides, pairs=pairs, json_out=json_out, label=f"{groups} groups")
+    harness.print_comparison(result, title=f"SFT export of {groups} groups x {GROUP_SIZE} (top {TOP_N}, positive "
+                                           f"scores, messages, no dedup): {rows} rows each", json_out=json_out)
 
 
 def _rss_child(store: str, out: str) -> None:
@@ -174,18 +190,29 @@ def memory(sizes: list[int]) -> None:
                   flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=1024, help="Groups for the side-by-side run (a multiple of 64).")
     parser.add_argument("--memory", default=None, help="Comma-separated store sizes (groups) for the peak-RSS run.")
+    parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's exporter")
     parser.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    harness.add_bench_args(parser)
+    args = parser.parse_args(argv)
     if args.rss_child:
         _rss_child(*args.rss_child)
-    elif args.memory:
+        return
+    with_atropos = not args.skip_atropos
+    if args.smoke:
+        args.groups = 64
+        args.memory = args.memory and "256"
+        if with_atropos and not atropos_available():
+            print("[bench] no Atropos venv (bench/atropos_venv.py); smoke run leaves that side out", file=sys.stderr)
+            with_atropos = False
+    if args.memory:
         memory([int(s) for s in args.memory.split(",")])
     else:
-        speed(args.groups)
+        speed(args.groups, pairs=harness.pairs_from(args), json_out=harness.json_path("export", args),
+              with_atropos=with_atropos)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Local policy server throughput: generated tokens/s for concurrent requests vs calling the engine in-process.
 
     python -m bench.inference.server_throughput --model models/starter-policy --requests 32
+    python -m bench.inference.run --only server --smoke
 
 Same prompts (InternBootcamp cases through the chat template) and the same
 per-request seeds in every mode, so every mode generates the same tokens.
 The ratio server / in-process batched is the server's overhead (HTTP, JSON,
-queueing); in-process one-by-one shows what batching buys.
+queueing); in-process one-by-one shows what batching buys. The modes run in
+interleaved rounds (bench/harness.py), ratios within each round.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import argparse
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import torch
 
+from bench import harness
 from environments.bootcamp_tasks import FAMILIES
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.engine import GenRequest, PolicyEngine
@@ -51,37 +55,57 @@ async def over_http(base_url: str, ids: list[list[int]], max_tokens: int) -> tup
     return sum(len(r[0].output_token_ids) for r in results), elapsed
 
 
-def main() -> None:
+def compare_modes(model: str, requests: int, max_tokens: int, threads: int, pairs: int,
+                  json_out: Path | None) -> harness.Comparison:
+    """In-process batched (the baseline), the server over HTTP and in-process one by one, in interleaved rounds."""
+    torch.set_num_threads(threads)
+    engine = PolicyEngine(model)
+    ids = prompts(engine.tokenizer, requests)
+    batch = [GenRequest(p, max_new_tokens=max_tokens, seed=i) for i, p in enumerate(ids)]
+
+    def rate(result: tuple[int, float]) -> dict:
+        tokens, seconds = result
+        return {"tokens/s": tokens / seconds, "tokens": tokens}
+
+    with start_local_server(model, extra_args=["--threads", str(threads)]) as server:
+        asyncio.run(over_http(server.base_url, ids[:4], 4))  # warm up
+        return harness.compare("inference", [
+            harness.Side("in-process batched", lambda: rate(in_process(engine, batch, one_by_one=False))),
+            harness.Side("server, concurrent HTTP",
+                         lambda: rate(asyncio.run(over_http(server.base_url, ids, max_tokens)))),
+            harness.Side("in-process one by one", lambda: rate(in_process(engine, batch, one_by_one=True))),
+        ], pairs=pairs, json_out=json_out, label=f"local server, {requests} requests, model {model}")
+
+
+def default_model() -> str:
+    """models/starter-policy when built, else a tiny random policy (made once under bench/out/)."""
+    starter = Path(__file__).resolve().parents[2] / "models" / "starter-policy"
+    if (starter / "config.json").is_file():
+        return str(starter)
+    from factory.inference.tiny_model import make_tiny_policy
+
+    tiny = Path(__file__).resolve().parents[2] / "bench" / "out" / "tiny-policy"
+    if not (tiny / "config.json").is_file():
+        make_tiny_policy(tiny)
+    return str(tiny)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="models/starter-policy")
+    parser.add_argument("--model", default=None, help="default: models/starter-policy, else a tiny random policy")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, in-process and in the server")
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    engine = PolicyEngine(args.model)
-    ids = prompts(engine.tokenizer, args.requests)
-    batch = [GenRequest(p, max_new_tokens=args.max_tokens, seed=i) for i, p in enumerate(ids)]
-    best: dict[str, tuple[int, float]] = {}
-
-    def keep(name: str, result: tuple[int, float]) -> None:
-        if name not in best or result[1] < best[name][1]:
-            best[name] = result
-
-    with start_local_server(args.model, extra_args=["--threads", str(args.threads)]) as server:
-        asyncio.run(over_http(server.base_url, ids[:4], 4))  # warm up
-        for _ in range(args.rounds):
-            keep("in-process batched", in_process(engine, batch, one_by_one=False))
-            keep("server, concurrent HTTP", asyncio.run(over_http(server.base_url, ids, args.max_tokens)))
-            keep("in-process one by one", in_process(engine, batch, one_by_one=True))
-    base_tokens, base_s = best["in-process batched"]
-    print(f"\nlocal server: {args.requests} concurrent requests, max_tokens {args.max_tokens}, {args.threads} torch "
-          f"thread(s), best of {args.rounds}, model {args.model}")
-    print(f"{'mode':<26}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'vs in-process':>15}")
-    for name, (tokens, seconds) in best.items():
-        print(f"{name:<26}{tokens:>8}{seconds:>9.2f}{tokens / seconds:>10.0f}"
-              f"{(tokens / seconds) / (base_tokens / base_s):>14.2f}x")
+    harness.add_bench_args(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.max_tokens = 4, 8
+    model = args.model or default_model()
+    json_out = harness.json_path("inference", args)
+    result = compare_modes(model, args.requests, args.max_tokens, args.threads, harness.pairs_from(args), json_out)
+    harness.print_comparison(result, title=f"local server: {args.requests} concurrent requests, max_tokens "
+                                           f"{args.max_tokens}, {args.threads} torch thread(s), model {model}",
+                             json_out=json_out)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
     python -m bench.shards.run                      # 100k groups of 8 x 1024 tokens (~9 GB on disk)
     python -m bench.shards.run --groups 5000        # a quick look
+    python -m bench.shards.run --smoke              # seconds, in-process (CI)
 
 Each measurement runs in its own subprocess so peak RSS is its own. Side by
-side in one run: the store's commit (validate, convert, zstd, fsync, rename,
+side in interleaved rounds (bench/harness.py; ratios to the bare pyarrow side
+within each round): the store's commit (validate, convert, zstd, fsync, rename,
 log) against a bare `pyarrow.parquet` write of the same batches, and the
 store's readers against a bare `ParquetFile.iter_batches`; JSONL lines (what
 Atropos's process mode writes) as a second reference on a smaller slice.
@@ -22,6 +24,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from bench import harness
 
 POOL = 32  # distinct token payloads; groups cycle through them with their own ids
 
@@ -129,6 +133,24 @@ def _isolated(function, *args) -> dict:
         return pool.apply(function, args)
 
 
+def _write_side(function, root: Path, count: int, shape: tuple, raw_mb_per_group: float, isolate: bool):
+    """A harness side: write `count` groups into a fresh `root` (in its own process when `isolate`)."""
+    def run() -> dict:
+        shutil.rmtree(root, ignore_errors=True)
+        result = (_isolated if isolate else lambda f, *a: f(*a))(function, str(root), count, *shape)
+        return {"groups/s": count / result["seconds"], "raw MB/s": count * raw_mb_per_group / result["seconds"],
+                "peak RSS MiB": result["rss"], "kB/group on disk": result["bytes"] / count / 1e3}
+    return run
+
+
+def _read_side(function, root: Path, extra: tuple, raw_mb_per_group: float, isolate: bool):
+    def run() -> dict:
+        result = (_isolated if isolate else lambda f, *a: f(*a))(function, str(root), *extra)
+        return {"groups/s": result["rows"] / result["seconds"],
+                "raw MB/s": result["rows"] * raw_mb_per_group / result["seconds"], "peak RSS MiB": result["rss"]}
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=100_000)
@@ -138,47 +160,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jsonl-groups", type=int, default=10_000, help="groups for the JSONL reference")
     parser.add_argument("--read-groups", type=int, default=10_000, help="groups rebuilt as ScoredGroup objects")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    harness.add_bench_args(parser)
     args = parser.parse_args(argv)
+    if args.smoke:  # in-process: the point is that every path still runs, not its peak RSS
+        args.groups, args.seq_len, args.chunk, args.jsonl_groups, args.read_groups = 200, 128, 50, 100, 100
+    pairs, json_out = harness.pairs_from(args), harness.json_path("shards", args)
+    isolate = not args.smoke
 
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-shards-"))
     shape = (args.group_size, args.seq_len, args.chunk)
     raw_mb_per_group = args.group_size * args.seq_len * (4 + 4 + 8) / 1e6  # tokens, masks, logprobs
-    rows = []
+    store, plain, jsonl = scratch / "store", scratch / "plain", scratch / "jsonl"
     try:
-        store, plain, jsonl = scratch / "store", scratch / "plain", scratch / "jsonl"
-        for label, function, root, count in (
-            ("write: store.commit", store_write, store, args.groups),
-            ("write: bare pyarrow", plain_parquet_write, plain, args.groups),
-            ("write: JSONL (Atropos process)", jsonl_write, jsonl, args.jsonl_groups),
-        ):
-            result = _isolated(function, str(root), count, *shape)
-            rows.append((label, count, count / result["seconds"], count * raw_mb_per_group / result["seconds"],
-                         result["rss"], result["bytes"] / count / 1e3))
-            print(f"  {label}: {result['seconds']:.1f}s", file=sys.stderr)
-        shutil.rmtree(jsonl)
-        for label, function, root, extra in (
-            ("read: store.iter_batches", store_read_batches, store, ()),
-            ("read: bare iter_batches", plain_read_batches, plain, ()),
-            ("read: store.iter_groups", store_read_groups, store, (args.read_groups,)),
-        ):
-            result = _isolated(function, str(root), *extra)
-            rows.append((label, result["rows"], result["rows"] / result["seconds"],
-                         result["rows"] * raw_mb_per_group / result["seconds"], result["rss"], None))
-            print(f"  {label}: {result['seconds']:.1f}s", file=sys.stderr)
+        writes = harness.compare("shards", [
+            harness.Side("write: bare pyarrow", _write_side(plain_parquet_write, plain, args.groups, shape,
+                                                            raw_mb_per_group, isolate)),
+            harness.Side("write: store.commit", _write_side(store_write, store, args.groups, shape,
+                                                            raw_mb_per_group, isolate)),
+            harness.Side(f"write: JSONL (Atropos process), {args.jsonl_groups} groups",
+                         _write_side(jsonl_write, jsonl, args.jsonl_groups, shape, raw_mb_per_group, isolate)),
+        ], pairs=pairs, json_out=json_out, label="write")
+        shutil.rmtree(jsonl, ignore_errors=True)
+        reads = harness.compare("shards", [
+            harness.Side("read: bare iter_batches", _read_side(plain_read_batches, plain, (), raw_mb_per_group,
+                                                               isolate)),
+            harness.Side("read: store.iter_batches", _read_side(store_read_batches, store, (), raw_mb_per_group,
+                                                                isolate)),
+            harness.Side(f"read: store.iter_groups, {args.read_groups} groups",
+                         _read_side(store_read_groups, store, (args.read_groups,), raw_mb_per_group, isolate)),
+        ], pairs=pairs, json_out=json_out, label="read")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(f"\nShard store, groups of {args.group_size} x {args.seq_len} tokens "
-          f"({raw_mb_per_group:.3f} MB raw per group), {args.chunk} groups per shard\n")
-    print(f"| {'operation':32} | {'groups':>7} | {'groups/s':>9} | {'raw MB/s':>8} | {'peak RSS MiB':>12} | {'kB/group on disk':>16} |")
-    print(f"|{'-' * 34}|{'-' * 9}|{'-' * 11}|{'-' * 10}|{'-' * 14}|{'-' * 18}|")
-    for label, count, gps, mbps, rss, disk in rows:
-        disk_text = f"{disk:.1f}" if disk is not None else ""
-        print(f"| {label:32} | {count:>7} | {gps:>9.0f} | {mbps:>8.1f} | {rss:>12.0f} | {disk_text:>16} |")
-    by_label = {row[0]: row[2] for row in rows}
-    print(f"\nstore/bare write ratio: {by_label['write: store.commit'] / by_label['write: bare pyarrow']:.2f}; "
-          f"store/JSONL write ratio: {by_label['write: store.commit'] / by_label['write: JSONL (Atropos process)']:.2f}; "
-          f"store/bare read ratio: {by_label['read: store.iter_batches'] / by_label['read: bare iter_batches']:.2f}")
+    size = (f"{args.groups} groups of {args.group_size} x {args.seq_len} tokens ({raw_mb_per_group:.3f} MB raw per "
+            f"group), {args.chunk} groups per shard")
+    harness.print_comparison(writes, title=f"shard store writes, {size}")
+    harness.print_comparison(reads, title=f"shard store reads, {size}", json_out=json_out)
 
 
 if __name__ == "__main__":

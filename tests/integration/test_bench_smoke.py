@@ -1,0 +1,42 @@
+"""Every bench runs at its smoke size: `python -m bench.<name>.run --smoke` exits 0 and prints its table.
+
+Benches are discovered (bench/*/run.py), so a new bench is covered the day it
+lands and a renamed helper cannot break one silently. They share one Prefect
+server (the session fixture) through PREFECT_API_URL, so none pays for its own
+server start; each must finish within BENCH_SMOKE_TIMEOUT_S and leave no
+process of its own behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCHES = sorted(path.parent.name for path in (REPO / "bench").glob("*/run.py"))
+TIMEOUT_S = float(os.environ.get("BENCH_SMOKE_TIMEOUT_S", "150"))
+TABLE_ROW = re.compile(r"^\|.*\|\s*$", re.MULTILINE)
+
+pytestmark = pytest.mark.integration
+
+
+def test_benches_are_discovered():
+    assert {"datagen", "export", "inference", "shards"} <= set(BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_smoke_run_prints_its_table(name: str, prefect_server: dict[str, str], tmp_path: Path) -> None:
+    env = {**os.environ, **prefect_server, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-m", f"bench.{name}.run", "--smoke"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"bench.{name}.run --smoke ran past {TIMEOUT_S:.0f}s (or a process it started kept it open):\n"
+                    f"{(error.stderr or b'')[-3000:]!r}")
+    assert done.returncode == 0, f"bench.{name}.run --smoke failed:\n{done.stderr[-4000:]}"
+    assert len(TABLE_ROW.findall(done.stdout)) >= 2, f"bench.{name}.run --smoke printed no table:\n{done.stdout[-2000:]}"
