@@ -75,23 +75,23 @@ class Comparison:
             seen.update(dict.fromkeys(self.values[side]))
         return list(seen)
 
-    def ratios(self, side: str, metric: str) -> list[float]:
-        """Per-round ratios side/baseline (rounds where the baseline measured 0 are skipped).
+    def ratios(self, side: str, metric: str, versus: str | None = None) -> list[float]:
+        """Per-round ratios side/baseline, or side/`versus` (rounds where that side measured 0 are skipped).
 
         A metric the baseline did not measure is compared with the baseline's first
         metric (e.g. "groups/s, pipeline only" against the raw loop's "groups/s").
         """
-        base_values = self.values[self.baseline]
+        base_values = self.values[versus or self.baseline]
         base_metric = metric if metric in base_values else next(iter(base_values))
         pairs = zip(self.values[side][metric], base_values[base_metric])
         return [value / base for value, base in pairs if base]
 
-    def median_ratio(self, side: str, metric: str) -> float:
-        ratios = self.ratios(side, metric)
+    def median_ratio(self, side: str, metric: str, versus: str | None = None) -> float:
+        ratios = self.ratios(side, metric, versus)
         return statistics.median(ratios) if ratios else float("nan")
 
-    def spread(self, side: str, metric: str) -> tuple[float, float]:
-        ratios = self.ratios(side, metric) or [float("nan")]
+    def spread(self, side: str, metric: str, versus: str | None = None) -> tuple[float, float]:
+        ratios = self.ratios(side, metric, versus) or [float("nan")]
         return min(ratios), max(ratios)
 
     def median(self, side: str, metric: str) -> float:
@@ -224,6 +224,10 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]], title:
     print(markdown_table(headers, list(rows)))
 
 
+def _ratio(value: float) -> str:
+    return f"{value:.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:.3f}"
+
+
 def comparison_rows(result: Comparison) -> list[list[object]]:
     """One row per side and metric: median value, median ratio to the baseline, min and max ratio, rounds."""
     rows: list[list[object]] = []
@@ -232,8 +236,8 @@ def comparison_rows(result: Comparison) -> list[list[object]]:
             if metric not in result.values[side]:
                 continue
             low, high = result.spread(side, metric)
-            rows.append([side, metric, result.median(side, metric), f"{result.median_ratio(side, metric):.2f}x",
-                         f"{low:.2f}-{high:.2f}x", len(result.values[side][metric])])
+            rows.append([side, metric, result.median(side, metric), f"{_ratio(result.median_ratio(side, metric))}x",
+                         f"{_ratio(low)}-{_ratio(high)}x", len(result.values[side][metric])])
     return rows
 
 

@@ -38,7 +38,7 @@ GROUP_WIRE_FIELDS = (
 )
 """The fields of Atropos's `ScoredData`, in its order."""
 
-GROUP_META_FIELDS = ("group_id", "env", "item_key", "policy_version", "run_id", "created_at")
+GROUP_META_FIELDS = ("group_id", "env", "item_key", "policy_version", "run_id", "created_at", "difficulty")
 
 # Per-sequence fields that must line up token for token with `tokens`.
 _TOKEN_ALIGNED = ("masks", "advantages", "ref_logprobs", "inference_logprobs")
@@ -115,6 +115,7 @@ class ScoredGroup(BaseModel):
     policy_version: int = Field(0, ge=0, description="Weight version of the policy that sampled this group.")
     run_id: str = Field("", description="Run that produced the group.")
     created_at: datetime = Field(default_factory=_utc_now, description="When the group was made (UTC).")
+    difficulty: int | None = Field(None, description="Difficulty level the item was drawn at (None: no knob, or an old shard).")
 
     @field_validator("created_at")
     @classmethod

@@ -224,6 +224,15 @@ def main(argv: list[str] | None = None) -> None:
     harness.print_comparison(result, title=f"datagen throughput, {args.groups} groups of {args.group_size}, "
                                            f"instant server with {best['server_workers']} worker(s)",
                              json_out=json_out)
+    atropos_side = "atroposlib 0.4.0 process mode"
+    if atropos_side in result.sides:
+        metric = "groups/s, pipeline only"
+        rows = []
+        for side in ("factory flow, inline scoring", "factory flow, scorer processes"):
+            low, high = result.spread(side, metric, versus=atropos_side)
+            rows.append((side, f"{result.median_ratio(side, metric, versus=atropos_side):.2f}x", f"{low:.2f}-{high:.2f}x"))
+        harness.print_table(["side (pipeline only)", "vs Atropos process mode (median)", "min-max"], rows,
+                            title="factory vs Atropos, same rounds")
     harness.print_table(["model", "problems", "rollouts/s", "completion tokens/s", "inference share", "kept",
                          "dropped"],
                         [(e2e["model"], args.e2e_groups, e2e["session_rollouts_per_s"], e2e["session_tokens_per_s"],

@@ -49,6 +49,7 @@ class ServeConfig(FactoryConfig):
         "don't line up with tokens; by default they are stored as sent, as Atropos does, and counted in /status 'unaligned'.",
     )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")
 
     @field_validator("env_min_batch_allocation")
     @classmethod

@@ -279,6 +279,7 @@ def _record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs:
         columns[name] = pa.array([_text(getattr(g, name)) for g in groups], pa.large_string())
     for name in ("distill_token_ids", "distill_logprobs"):
         columns[name] = pa.array([getattr(g, name) for g in groups], GROUP_SCHEMA.field(name).type)
+    columns["difficulty"] = pa.nulls(len(groups), pa.int32())  # a factory-only field; Atropos envs never send it
     return pa.RecordBatch.from_arrays([columns[f.name] for f in GROUP_SCHEMA], schema=GROUP_SCHEMA)
 
 

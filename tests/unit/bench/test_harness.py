@@ -114,3 +114,9 @@ def test_a_metric_the_baseline_lacks_is_compared_with_the_baselines_first_metric
     assert result.median_ratio("flow", "groups/s, pipeline only") == 0.8
     assert [row[:2] for row in harness.comparison_rows(result)] == [
         ["raw", "groups/s"], ["flow", "groups/s"], ["flow", "groups/s, pipeline only"]]
+
+
+def test_ratios_to_another_side_and_small_ratios_keep_three_decimals():
+    result = compare("demo", [Side("raw", lambda: 1000.0), Side("ours", lambda: 60.0), Side("theirs", lambda: 40.0)])
+    assert result.median_ratio("ours", "value", versus="theirs") == 1.5
+    assert harness.comparison_rows(result)[1][3:5] == ["0.060x", "0.060-0.060x"]
