@@ -1,6 +1,6 @@
 """Batching API side by side, interleaved: rollout-factory's run-api vs atroposlib 0.4.0's run-api.
 
-    python -m bench.serve.run                # 3 interleaved pairs (ours, atropos, ours, atropos, ...), median ratios
+    python -m bench.serve.run                # 3 interleaved pairs (atropos, ours, atropos, ours, ...), median ratios
     python -m bench.serve.run --pairs 5 --groups 2000
     ATROPOS_VENV=/work/.venv-atropos python -m bench.serve.run   # where the atroposlib venv already is
     python -m bench.serve.run --smoke        # seconds: tiny load, one pair (ours only if the Atropos venv is absent)
@@ -12,8 +12,8 @@ as Atropos's env client sends them (JSON, gzip), first one group per request,
 then 64 per request; then a trainer pulls /batch (256 sequences). Ours
 acknowledges a post only once its groups are fsynced in a committed Parquet
 shard; Atropos keeps them in memory. Each pair starts both servers fresh on
-the same load; the table shows medians over pairs and the median of the
-per-pair ratios. JSON lines of every run go to --json if given.
+the same load; bench/harness.py prints medians over pairs and the median of
+the per-pair ratios (ours / atropos) and writes every measurement as a JSON line.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
-import json
 import statistics
 import sys
 import tempfile
@@ -32,13 +31,13 @@ import httpx
 import orjson
 import psutil
 
-from bench.atropos_venv import DEFAULT_VENV
+from bench.atropos_venv import DEFAULT_VENV, atropos_available
+from bench.harness import Side, add_bench_args, compare, json_path, pairs_from, print_comparison
 from factory.serve.client import ApiProcess, EnvClient, TrainerClient
 from factory.synthetic import synthetic_groups
 from tests.conftest import free_port
 
 GROUP_SIZE, SEQ_LEN, BATCH, CLIENTS = 8, 1024, 256, 8
-HIGHER_IS_BETTER = {"ingest groups/s (1 per request)", "ingest groups/s (64 per request)"}
 
 
 def make_groups(count: int, start: int = 0, seq_len: int = SEQ_LEN) -> list[dict]:
@@ -146,20 +145,6 @@ def measure(name: str, n_single: int, n_list: int, n_batches: int) -> dict[str, 
             }
 
 
-def table(runs: dict[str, list[dict[str, float]]]) -> str:
-    names = [n for n in ("ours", "atropos") if runs.get(n)]
-    lines = ["| metric | rollout-factory | atroposlib 0.4.0 | median ratio (ours / atropos) |", "|---|---:|---:|---:|"]
-    for metric in runs["ours"][0]:
-        values = {n: statistics.median(r[metric] for r in runs[n]) for n in names}
-        ratio = "-"
-        if "atropos" in names:
-            ratios = [o[metric] / a[metric] for o, a in zip(runs["ours"], runs["atropos"]) if a[metric]]
-            ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
-        atropos = f"{values['atropos']:.1f}" if "atropos" in values else "-"
-        lines.append(f"| {metric} | {values['ours']:.1f} | {atropos} | {ratio} |")
-    return "\n".join(lines)
-
-
 def rss_curve(counts: list[int], seq_len: int = SEQ_LEN) -> None:
     """Ours: server RSS after ingesting each count of groups (8 clients, 64 groups per request, all acknowledged)."""
     with tempfile.TemporaryDirectory(prefix="bench-serve-rss-") as root:
@@ -181,35 +166,27 @@ def rss_curve(counts: list[int], seq_len: int = SEQ_LEN) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny load, one pair: finishes in seconds")
-    parser.add_argument("--pairs", type=int, default=3)
+    add_bench_args(parser)
     parser.add_argument("--groups", type=int, default=2000, help="groups posted 64 per request (half as many 1 per request)")
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-atropos", action="store_true")
     parser.add_argument("--rss", default=None, help="comma-separated group counts: ours' RSS curve instead of the comparison")
-    parser.add_argument("--json", default=None, help="append one JSON line per server run to this file")
     args = parser.parse_args(argv)
     if args.rss:
         rss_curve([int(c) for c in args.rss.split(",")])
         return
-    n_list, n_batches, pairs = (64, 2, 1) if args.smoke else (args.groups, args.batches, args.pairs)
+    n_list, n_batches = (64, 2) if args.smoke else (args.groups, args.batches)
     n_single = 16 if args.smoke else max(64, n_list // 2)
     n_list = max(64, n_list // 64 * 64)
-    with_atropos = not args.skip_atropos and (DEFAULT_VENV / "bin" / "run-api").exists()
+    with_atropos = not args.skip_atropos and atropos_available()
     if not with_atropos and not args.skip_atropos:
         print(f"[bench] no atroposlib venv at {DEFAULT_VENV} (python -m bench.atropos_venv makes it): ours only", file=sys.stderr)
-    runs: dict[str, list[dict[str, float]]] = {"ours": [], "atropos": []}
-    for pair in range(pairs):
-        for name in ("ours", "atropos") if with_atropos else ("ours",):
-            result = measure(name, n_single, n_list, n_batches)
-            runs[name].append(result)
-            print(f"[bench] pair {pair + 1}/{pairs} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result.items()), file=sys.stderr)
-            if args.json:
-                with open(args.json, "a") as out:
-                    out.write(json.dumps({"bench": "serve", "server": name, "pair": pair, **result}) + "\n")
-    print(f"{pairs} interleaved pair(s); {n_single} groups 1 per request, {n_list} groups 64 per request, "
-          f"{CLIENTS} clients, {GROUP_SIZE}x{SEQ_LEN} tokens per group, {n_batches} batches of {BATCH}")
-    print(table(runs))
+    sides = [Side("atroposlib 0.4.0", lambda: measure("atropos", n_single, n_list, n_batches))] if with_atropos else []
+    sides.append(Side("rollout-factory", lambda: measure("ours", n_single, n_list, n_batches)))
+    result = compare("serve", sides, pairs=pairs_from(args), json_out=json_path("serve", args))
+    print_comparison(result, title=(
+        f"Batching API: {n_single} groups 1 per request, {n_list} groups 64 per request, {CLIENTS} clients, "
+        f"{GROUP_SIZE}x{SEQ_LEN} tokens per group, {n_batches} batches of {BATCH}"))
 
 
 if __name__ == "__main__":
