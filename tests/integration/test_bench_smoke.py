@@ -24,7 +24,7 @@ from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHES = sorted(path.parent.name for path in (REPO / "bench").glob("*/run.py"))
-TIMEOUT_S = float(os.environ.get("BENCH_SMOKE_TIMEOUT_S", "150"))
+TIMEOUT_S = float(os.environ.get("BENCH_SMOKE_TIMEOUT_S", "300"))
 TABLE_ROW = re.compile(r"^\|.*\|\s*$", re.MULTILINE)
 
 pytestmark = pytest.mark.integration
