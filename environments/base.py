@@ -25,12 +25,15 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field
 
 from factory.config import FactoryConfig
 from factory.inference.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from environments.episode import Episode
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,14 @@ class Rollout:
     endpoint: str = ""
     score: float | None = None
     error: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    """Multi-turn rollouts: the whole conversation (prompt included); None means prompt + one reply `text`."""
+    output_mask: list[bool] | None = None
+    """Multi-turn rollouts: per output token, True where the model produced it (trained), False for env turns."""
+
+    def scoring_input(self) -> str | list[dict[str, Any]]:
+        """What `BaseEnv.score` gets: the reply text, or the whole conversation of a multi-turn rollout."""
+        return self.messages if self.messages is not None else self.text
 
     @classmethod
     def from_completion(cls, item: Item, completion: Completion) -> Rollout:
@@ -98,7 +109,10 @@ class Rollout:
 class Sampler(Protocol):
     """How an environment asks for completions; the datagen tasks supply one over the inference client."""
 
-    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams) -> list[Completion]: ...
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams,
+                       prompt_ids: list[int] | None = None) -> list[Completion]:
+        """Completions of `messages`; multi-turn episodes also pass the exact `prompt_ids` to continue from."""
+        ...
 
 
 class BaseEnv:
@@ -109,6 +123,10 @@ class BaseEnv:
     scoring: ClassVar[str] = "process"
     """Default score mode: "process" (scorer processes, per-item timeout) or "inline" for verifiers that are
     cheap and cannot run away (the datagen flow's `datagen.score_mode: auto` follows this)."""
+
+    multi_turn: ClassVar[bool] = False
+    """True for envs that implement `play` (several model turns per rollout); `score` then gets the whole
+    conversation (a list of messages) instead of the reply text."""
 
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else self.config_cls()
@@ -130,6 +148,26 @@ class BaseEnv:
         self._cursor += 1
         return item
 
+    # --- difficulty knob (optional; factory/curriculum.py moves it) ---
+    def curriculum_families(self) -> list[str]:
+        """Families whose items have a difficulty level the curriculum may move; [] (the default) for none."""
+        return []
+
+    def difficulty_range(self) -> tuple[int, int]:
+        """(lowest, highest) level of `curriculum_families`, and the level a curriculum starts at is the lowest."""
+        return (1, 1)
+
+    def get_planned_item(self, index: int, plan: dict[str, Any]) -> Item:
+        """The item at `index` drawn with a curriculum plan {"levels": {family: level}, "weights": {family: w}}.
+
+        Same index and plan -> same item. Envs without a difficulty knob ignore the plan.
+        """
+        return self.get_item(index)
+
+    def solved(self, item: Item, score: float) -> bool:
+        """Whether a rollout's score counts as a pass for the curriculum's pass rate (default: score > 0)."""
+        return score > 0
+
     def get_eval_item(self, index: int) -> Item:
         """An item for `evaluate`; generated envs draw from a far index range, dataset envs from a test split."""
         return self.get_item(EVAL_INDEX_OFFSET + index)
@@ -143,14 +181,46 @@ class BaseEnv:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.config.temperature, top_p=self.config.top_p, max_tokens=self.config.max_tokens)
 
-    async def collect_trajectories(self, item: Item, sampler: Sampler, sampling: SamplingParams | None = None) -> list[Rollout]:
-        """Sample a group for one item: by default one prompt, n = group_size."""
-        completions = await sampler.complete(item.messages, n=self.config.group_size, sampling=sampling or self.sampling())
-        return [Rollout.from_completion(item, c) for c in completions]
+    async def collect_trajectories(self, item: Item, sampler: Sampler, sampling: SamplingParams | None = None,
+                                   n: int | None = None) -> list[Rollout]:
+        """Sample a group for one item: one prompt with n = group_size, or group_size episodes of `play`."""
+        n, sampling = n or self.config.group_size, sampling or self.sampling()
+        if not self.multi_turn:
+            completions = await sampler.complete(item.messages, n=n, sampling=sampling)
+            return [Rollout.from_completion(item, c) for c in completions]
+        import asyncio
+
+        return list(await asyncio.gather(*(self.run_episode(item, sampler, sampling) for _ in range(n))))
+
+    async def play(self, item: Item, episode: Episode) -> None:
+        """Multi-turn envs: drive one episode (`await episode.model_turn()`, `episode.add(...)`) to its end."""
+        raise NotImplementedError(f"{type(self).__name__} sets multi_turn = True and must implement play(item, episode)")
+
+    async def run_episode(self, item: Item, sampler: Sampler, sampling: SamplingParams) -> Rollout:
+        """One multi-turn rollout: `play` it, then keep the whole conversation and its token segments."""
+        from environments.episode import Episode
+
+        episode = Episode(item, sampler, sampling, max_token_length=self.config.max_token_length)
+        await self.play(item, episode)
+        known = episode.tokens_known and episode.turns > 0
+        return Rollout(
+            item_key=item.key,
+            text=next((m["content"] for m in reversed(episode.messages) if m["role"] == "assistant"), ""),
+            prompt_token_ids=episode.prompt_ids if known else None,
+            output_token_ids=episode.output_ids if known else None,
+            output_logprobs=episode.output_logprobs if known and episode.logprobs_known else None,
+            finish_reason=episode.finish_reason,
+            policy_version=episode.policy_version or 0,
+            endpoint=episode.endpoint,
+            messages=episode.messages,
+            output_mask=episode.output_mask if known else None,
+        )
 
     # --- scoring ---
     def score(self, item: Item, completion: str) -> float:
-        """Reward of one completion; a pure function of item and text (it runs in scorer processes)."""
+        """Reward of one completion; a pure function of item and text (it runs in scorer processes).
+
+        Multi-turn envs get the whole conversation (list of messages) as `completion`."""
         raise NotImplementedError(f"{type(self).__name__} must implement score(item, completion)")
 
     def is_correct(self, item: Item, completion: str) -> bool:
@@ -170,14 +240,32 @@ class BaseEnv:
 
         items = [self.get_eval_item(i) for i in range(self.config.eval_items)]
         greedy = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=self.config.max_tokens)
-        results = await asyncio.gather(*(sampler.complete(i.messages, n=1, sampling=greedy) for i in items))
-        texts = [r[0].text if r else "" for r in results]
+        results = await asyncio.gather(*(self.collect_trajectories(i, sampler, greedy, n=1) for i in items))
+        texts = [r[0].scoring_input() if r else "" for r in results]
         samples = [
             {"item_key": i.key, "messages": i.messages, "completion": t, "answer": _plain(i.answer),
              "score": self.score(i, t), "correct": self.is_correct(i, t)}
             for i, t in zip(items, texts)
         ]
         return self.eval_metrics(items, texts), samples
+
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with OpenAI-style content parts flattened to text (pictures become `<image>`), for text-only
+    chat templates; messages whose content is already a string are returned as they are."""
+    if all(isinstance(m.get("content"), str) for m in messages):
+        return messages
+    flat = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") if part.get("type") == "text" else IMAGE_PLACEHOLDER
+                              for part in content)
+        flat.append({**message, "content": content})
+    return flat
 
 
 def _plain(value: Any) -> Any:

@@ -14,6 +14,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MASK_IGNORE = -100
@@ -37,7 +38,7 @@ GROUP_WIRE_FIELDS = (
 )
 """The fields of Atropos's `ScoredData`, in its order."""
 
-GROUP_META_FIELDS = ("group_id", "env", "item_key", "policy_version", "run_id", "created_at")
+GROUP_META_FIELDS = ("group_id", "env", "item_key", "policy_version", "run_id", "created_at", "difficulty")
 
 # Per-sequence fields that must line up token for token with `tokens`.
 _TOKEN_ALIGNED = ("masks", "advantages", "ref_logprobs", "inference_logprobs")
@@ -49,13 +50,23 @@ def make_group_id(env: str, item_key: str, seed: int | str, policy_version: int)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+def _joined(sequence: list[int]) -> bytes:
+    """",".join(map(str, sequence)).encode(), ~10x faster for lists of (64-bit) ints."""
+    if type(sequence) is list:
+        try:
+            return orjson.dumps(sequence)[1:-1]
+        except orjson.JSONEncodeError:  # ints beyond 64 bits
+            pass
+    return ",".join(map(str, sequence)).encode()
+
+
 def content_group_id(tokens: list[list[int]], scores: list[float], env_id: int | None) -> str:
     """Name a group by its content, for groups that arrive without factory metadata."""
     digest = hashlib.sha256()
     digest.update(repr(env_id).encode())
     for sequence in tokens:
         digest.update(len(sequence).to_bytes(4, "little"))
-        digest.update(",".join(map(str, sequence)).encode())
+        digest.update(_joined(sequence))
     digest.update(repr([float(s) for s in scores]).encode())
     return digest.hexdigest()[:32]
 
@@ -104,6 +115,7 @@ class ScoredGroup(BaseModel):
     policy_version: int = Field(0, ge=0, description="Weight version of the policy that sampled this group.")
     run_id: str = Field("", description="Run that produced the group.")
     created_at: datetime = Field(default_factory=_utc_now, description="When the group was made (UTC).")
+    difficulty: int | None = Field(None, description="Difficulty level the item was drawn at (None: no knob, or an old shard).")
 
     @field_validator("created_at")
     @classmethod

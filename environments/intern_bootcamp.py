@@ -79,7 +79,34 @@ class InternBootcampEnv(BaseEnv):
 
     def get_item(self, index: int) -> Item:
         case = self.tasks.generate(random.Random(f"{self.config.seed}:{index}"))
-        return Item(key=case.key, messages=self.chat(case.prompt), answer=case, info={"index": index, "family": case.family})
+        return self._item(index, case)
+
+    def _item(self, index: int, case: Case) -> Item:
+        info = {"index": index, "family": case.family, "difficulty": case.difficulty}
+        return Item(key=case.key, messages=self.chat(case.prompt), answer=case, info=info)
+
+    # --- the difficulty knob the curriculum moves ---
+    def curriculum_families(self) -> list[str]:
+        return list(self.tasks.names)
+
+    def difficulty_range(self) -> tuple[int, int]:
+        return (MIN_DIFFICULTY, MAX_DIFFICULTY)
+
+    def base_weights(self) -> dict[str, float]:
+        return dict(zip(self.tasks.names, self.tasks.weights))
+
+    def get_planned_item(self, index: int, plan: dict) -> Item:
+        """Family drawn by the plan's weights, at the plan's level for that family (seeded by seed and index)."""
+        rng = random.Random(f"{self.config.seed}:{index}")
+        weights = plan.get("weights") or {}
+        names = self.tasks.names
+        family = rng.choices(names, weights=[float(weights.get(n, w)) for n, w in zip(names, self.tasks.weights)])[0]
+        static_level = rng.choice(self.tasks.difficulties)  # drawn as get_item does, so equal plans give equal items
+        level = int((plan.get("levels") or {}).get(family, static_level))
+        return self._item(index, get_family(family).generate(rng, level))
+
+    def solved(self, item: Item, score: float) -> bool:
+        return score >= self.config.correct_reward
 
     def score(self, item: Item, completion: str) -> float:
         case: Case = item.answer

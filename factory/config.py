@@ -97,29 +97,44 @@ def build_config(
     model: type[M], *, yaml_path: str | Path | None = None, cli_args: Sequence[str] = (), values: dict[str, Any] | None = None
 ) -> M:
     """Defaults < YAML file < `values` (e.g. flow parameters) < CLI overrides, validated into `model`."""
-    data: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
-    if values:
-        data = deep_merge(data, values)
-    data = deep_merge(data, parse_cli_overrides(cli_args))
-    return validate_config(model, data)
+    from_yaml: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    from_cli = parse_cli_overrides(cli_args)
+    data = deep_merge(deep_merge(from_yaml, values or {}), from_cli)
+    # Highest precedence first: an error names where the bad key came from.
+    sources = [("the command line", from_cli), ("the flow parameters", values or {}), (f"config file {yaml_path}", from_yaml)]
+    return validate_config(model, data, sources=sources)
 
 
-def validate_config(model: type[M], data: dict[str, Any]) -> M:
+def validate_config(model: type[M], data: dict[str, Any], *, sources: Sequence[tuple[str, dict[str, Any]]] = ()) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_explain(model, error)) from None
+        raise ConfigError(_explain(model, error, sources)) from None
 
 
-def _explain(model: type[BaseModel], error: ValidationError) -> str:
+def _source_of(loc: tuple[Any, ...], sources: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """' (in config file X)' / ' (from the command line)' for the first source that sets `loc`, else ''."""
+    for label, data in sources:
+        node: Any = data
+        for part in loc:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            return f" (in {label})" if label.startswith("config file") else f" (from {label})"
+    return ""
+
+
+def _explain(model: type[BaseModel], error: ValidationError, sources: Sequence[tuple[str, dict[str, Any]]] = ()) -> str:
     lines = []
     for problem in error.errors():
         key = ".".join(str(part) for part in problem["loc"])
+        where = _source_of(problem["loc"], sources)
         if problem["type"] == "extra_forbidden":
             hint = _did_you_mean(model, problem["loc"])
-            lines.append(f"unknown config key '{key}'{hint}")
+            lines.append(f"unknown config key '{key}'{hint}{where}")
         else:
-            lines.append(f"config key '{key}': {problem['msg']} (got {problem.get('input')!r})")
+            lines.append(f"config key '{key}': {problem['msg']} (got {problem.get('input')!r}){where}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

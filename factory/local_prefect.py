@@ -28,6 +28,11 @@ from pathlib import Path
 
 DEFAULT_PORT = 4200
 DEFAULT_POOL = "local-process"
+ZOMBIE_AUTOMATION = "crash-zombie-flow-runs"
+HEARTBEAT_S = 30
+"""Flow runs started against this stack send a heartbeat every HEARTBEAT_S seconds (Prefect's minimum); a RUNNING
+run that misses them for ZOMBIE_AFTER_S is marked Crashed by the ZOMBIE_AUTOMATION that `up` installs."""
+ZOMBIE_AFTER_S = 90
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class LocalPrefect:
             "PREFECT_SERVER_API_PORT": str(self.port),
             "PREFECT_UI_API_URL": self.api_url,
             "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S)),
         }
 
     def _pidfile(self, name: str) -> Path:
@@ -113,6 +119,7 @@ class LocalPrefect:
                 raise RuntimeError(f"the Prefect server did not answer within {timeout:.0f}s; see {self._log('server')}")
             time.sleep(0.5)
         self._ensure_pool()
+        self.ensure_zombie_automation()
         if worker and self._pid("worker") is None:
             self._start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process"])
 
@@ -131,6 +138,40 @@ class LocalPrefect:
         )
         if created.returncode != 0 and "already exists" not in created.stdout + created.stderr:
             raise RuntimeError(f"could not create work pool {self.pool!r}: {created.stdout}{created.stderr}")
+
+    def ensure_zombie_automation(self) -> None:
+        """Install Prefect's zombie detection: a RUNNING flow run whose heartbeats stop is marked Crashed."""
+        from datetime import timedelta
+
+        from prefect.automations import Automation
+        from prefect.client.schemas.objects import StateType
+        from prefect.events.actions import ChangeFlowRunState
+        from prefect.events.schemas.automations import EventTrigger, Posture
+        from prefect.events.schemas.events import ResourceSpecification
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: self.api_url}):
+            try:
+                Automation.read(name=ZOMBIE_AUTOMATION)
+                return
+            except ValueError:
+                pass
+            Automation(
+                name=ZOMBIE_AUTOMATION,
+                description=f"Mark a flow run Crashed when it sends no heartbeat for {ZOMBIE_AFTER_S}s (its process died).",
+                trigger=EventTrigger(
+                    after={"prefect.flow-run.heartbeat"},
+                    expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                            "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+                    match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                    for_each={"prefect.resource.id"},
+                    posture=Posture.Proactive,
+                    threshold=1,
+                    within=timedelta(seconds=ZOMBIE_AFTER_S),
+                ),
+                actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                            message=f"no heartbeat for {ZOMBIE_AFTER_S}s: the flow run's process died")],
+            ).create()
 
     def down(self, timeout: float = 30.0) -> None:
         """Stop the worker (SIGINT, its clean stop) and then the server."""

@@ -46,6 +46,7 @@ GROUP_SCHEMA = pa.schema(
         pa.field("env_id", pa.int64()),
         pa.field("distill_token_ids", pa.list_(_INT_2D)),
         pa.field("distill_logprobs", pa.list_(_FLOAT_2D)),
+        pa.field("difficulty", pa.int32()),  # added by issue 11; absent (read as null) in older shards
     ],
     metadata={b"factory.record": b"ScoredGroup", b"factory.schema_version": b"1"},
 )
@@ -97,7 +98,7 @@ def rows_to_groups(rows: Iterable[dict[str, Any]], validate: bool = False) -> It
     without validating again; pass `validate=True` for data of unknown origin.
     """
     for row in rows:
-        fields = {name: row[name] for name in (*GROUP_WIRE_FIELDS, *GROUP_META_FIELDS)}
+        fields = {name: row.get(name) for name in (*GROUP_WIRE_FIELDS, *GROUP_META_FIELDS)}
         for name in JSON_FIELDS:
             if fields[name] is not None:
                 fields[name] = json.loads(fields[name])

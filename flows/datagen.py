@@ -17,21 +17,26 @@ yet indexed by the API) hold `max_batches_offpolicy` batches or more.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections import Counter, deque
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_table_artifact, update_progress_artifact
+from prefect.runtime import flow_run
 from pydantic import Field, create_model
 
-from environments.base import EnvConfig, EnvSpec
+from environments.base import EnvConfig, EnvSpec, load_env
 from factory.config import FactoryConfig, build_config, to_yaml
+from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
+from factory.preflight import PreflightError, preflight
+from factory.run_control import current_flow_run_id
+from factory.sampling import DynamicSampling, make_curriculum
 from factory.store import ShardStore
-from flows.datagen_runtime import Backpressure, make_task_runner
+from flows.datagen_ops import RunOps, RunStopped, close_current
+from flows.datagen_runtime import Backpressure, make_task_runner, use_endpoints_block
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
 from tasks.score import score_task
@@ -66,7 +71,17 @@ class DatagenSettings(FactoryConfig):
     dask_threads_per_worker: int = Field(4, ge=1, description="Threads per Dask worker.")
     slurm: dict[str, Any] = Field(default_factory=dict, description="dask_jobqueue.SLURMCluster keyword arguments.")
     slurm_jobs: int = Field(1, ge=1, description="Most SLURM jobs the cluster adapts up to.")
+    endpoints_block: str | None = Field(None, description="InferenceEndpointsBlock name (e.g. 'sglang-endpoints', saved "
+                                        "by the sglang-on-slurm flow) whose endpoints replace openai.base_url.")
     output_dir: str | None = Field(None, description="Where process/evaluate write JSONL, HTML, metrics; default: the run dir.")
+    target_groups: int | None = Field(None, ge=1, description="Draw items until this many groups are kept (exactly; "
+                                      "env.total_items is then ignored); None: run env.total_items items.")
+    max_items: int | None = Field(None, ge=1, description="Most items a target_groups run tries before it stops "
+                                  "(default 10 x target_groups); also caps env.total_items when set.")
+    curriculum: CurriculumSettings = Field(default_factory=CurriculumSettings,
+                                           description="Adaptive difficulty per task family (factory/curriculum.py).")
+    preflight_wait_s: float = Field(0.0, ge=0, description="Seconds preflight waits for endpoints still starting (0: fail at once).")
+    shutdown_grace_s: float = Field(20.0, ge=0, description="After SIGTERM/SIGINT, seconds chunks in flight get to finish and commit (under the 30 s a Prefect worker waits before SIGKILL).")
 
 
 class ServeSettings(FactoryConfig):
@@ -160,24 +175,35 @@ def summarize(store: ShardStore, cfg: JobConfig, seconds: float, session: Counte
     }
 
 
-@flow(name="datagen-pipeline", log_prints=False)
+@flow(name="datagen-pipeline", log_prints=False, on_failure=[close_current], on_crashed=[close_current])
 def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     """Run the chunks of one job that are not committed yet; return the summary."""
     logger = get_run_logger()
     cfg = job_config_model(ref).model_validate(config)
     d = cfg.datagen
+    flow_run_id = str(flow_run.get_id() or "") or None
     store = ShardStore(d.store_root)
+    ops = RunOps.start(store, cfg, logger)
     store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
     spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
     env_name = spec.env_class().name
-    n_chunks = math.ceil(cfg.env.total_items / d.chunk_items)
-    todo = [k for k in range(n_chunks) if not store.is_committed(d.run_id, d.producer, k)]
-    logger.info("%s: %d of %d chunks to do in run %r (store %s)", env_name, len(todo), n_chunks, d.run_id, d.store_root)
-    done = n_chunks - len(todo)
-    progress_id = create_progress_artifact(
-        progress=100.0 * done / n_chunks, key=f"{d.run_id}-progress".lower().replace("_", "-"),
-        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id}",
-    )
+    env = load_env(spec, setup=False)
+    curriculum = make_curriculum(d.curriculum, env, start_level=min(getattr(cfg.env, "difficulties", [1])))
+    sampler = DynamicSampling(store, run_id=d.run_id, producer=d.producer, chunk_items=d.chunk_items,
+                              total_items=cfg.env.total_items, target_groups=d.target_groups, max_items=d.max_items,
+                              chunks_in_flight=d.chunks_in_flight, curriculum=curriculum, solved=env.solved)
+    if d.target_groups is None:
+        logger.info("%s: %d of %d chunks to do in run %r (store %s)", env_name, sampler.todo_chunks(),
+                    sampler.n_chunks, d.run_id, d.store_root)
+    else:
+        logger.info("%s: %d of target %d groups committed in run %r (%d chunks); drawing up to %d items",
+                    env_name, sampler.committed_groups, d.target_groups, d.run_id, sampler.restored_chunks,
+                    sampler.max_items)
+    progress_id = ops.progress_artifact(sampler.progress(), key=f"{d.run_id}-progress".lower().replace("_", "-"),
+                                        description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to "
+                                        f"{d.run_id} (store {store.run_dir(d.run_id).absolute()})")
+    ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks))
+    curriculum_key = f"{d.run_id}-curriculum".lower().replace("_", "-")
     score_mode = spec.env_class().scoring if d.score_mode == "auto" else d.score_mode
     if score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
         # Start the scorer processes now, while the first chunk is generating.
@@ -190,27 +216,43 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     intervals: list[tuple[float, float]] = []
 
     def finish(chunk: int, grouped_future: Any, items: int) -> None:
-        nonlocal done
-        grouped = grouped_future.result()
+        grouped = ops.result(grouped_future)
         generate_s = grouped.generate_s
         intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
-        stats = {**grouped.stats(), "chunk": chunk}
+        if not sampler.admit(chunk, grouped):  # target reached by an earlier chunk: this one is not committed
+            logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk, d.target_groups)
+            return
+        stats = {**grouped.stats(), "chunk": chunk, **sampler.chunk_stats(chunk, grouped),
+                 "flow_run_id": flow_run_id}  # flow_run_id: view-run links to it
         store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
         # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
         # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
         write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped).result()
-        done += 1
+        moves = sampler.committed(chunk, stats)
         if backpressure is not None:
             backpressure.committed += len(grouped.groups)
         session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
                         "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})
-        update_progress_artifact(progress_id, 100.0 * done / n_chunks)
+        update_progress_artifact(progress_id, sampler.progress())
         logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
+        if curriculum is not None:
+            for move in moves:
+                logger.info("curriculum: %s level %d -> %d (recent pass rate %.2f)", move["family"], move["from"],
+                            move["to"], move["pass_rate"])
+            create_table_artifact(table=curriculum.table(), key=curriculum_key,
+                                  description=f"{env_name} curriculum after chunk {chunk} of run {d.run_id}")
+        ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
 
-    for chunk in todo:
-        while len(in_flight) >= d.chunks_in_flight:
+    while not ops.stopping:
+        while in_flight and not ops.stopping and (len(in_flight) >= d.chunks_in_flight
+                                                  or sampler.enough_in_flight(sum(items for _, _, items in in_flight))):
             finish(*in_flight.popleft())
-        indices = range(chunk * d.chunk_items, min((chunk + 1) * d.chunk_items, cfg.env.total_items))
+        if ops.stopping:
+            break
+        chunk = sampler.next_chunk()
+        if chunk is None:
+            break
+        indices = sampler.indices(chunk)
         if backpressure is not None:
             # Chunks in flight count against the limit; commit them before pausing so the trainer can have them.
             if in_flight and backpressure.would_wait(sum(items for _, _, items in in_flight)):
@@ -218,23 +260,33 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
                     finish(*in_flight.popleft())
             session["paused_ms"] += round(backpressure.wait(logger) * 1000)
         generated = generate_task.submit(spec, indices, cfg.openai, tokenizer_name=cfg.env.tokenizer_name,
-                                         api=d.sampling_api, max_in_flight=d.max_in_flight)
+                                         api=d.sampling_api, max_in_flight=d.max_in_flight,
+                                         plan=sampler.plan_for(chunk))
         scored = score_task.submit(spec, generated, timeout_s=d.score_timeout_s, workers=d.score_workers,
                                    mode=score_mode)
         grouped = group_task.submit(env_name, scored, group_size=cfg.env.group_size,
                                     max_token_length=cfg.env.max_token_length,
                                     ensure_scores_are_not_same=cfg.env.ensure_scores_are_not_same,
                                     run_id=d.run_id, seed=cfg.env.seed, generation_params=generation_params)
+        ops.submitted(grouped, generated, scored)
         in_flight.append((chunk, grouped, len(indices)))
     while in_flight:
+        if ops.stopping and not ops.finishes_in_grace(in_flight[0][1]):
+            break  # the rest is abandoned uncommitted; a rerun redoes it
         finish(*in_flight.popleft())
 
-    summary = summarize(store, cfg, time.perf_counter() - started, session, intervals)
+    summary = {**summarize(store, cfg, time.perf_counter() - started, session, intervals), **sampler.summary()}
+    if (message := sampler.stop_message()) is not None:
+        logger.warning(message)
+        summary["stop_message"] = message
     store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
     rows = [{"metric": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in summary.items()]
-    create_table_artifact(table=rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
-                          description=f"{env_name} datagen summary for run {d.run_id}")
+    ops.summary_artifact(rows, key=f"{d.run_id}-summary".lower().replace("_", "-"),
+                         description=f"{env_name} datagen summary for run {d.run_id}", store_dir=summary["store"])
     logger.info("summary: %s", json.dumps(summary))
+    if ops.stopping:
+        return ops.stopped(summary, abandoned=[chunk for chunk, _, _ in in_flight])
+    ops.finished()
     return summary
 
 
@@ -244,10 +296,25 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
     values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
     cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
+    use_endpoints_block(cfg)
+    try:
+        preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
+    except PreflightError as error:
+        from factory.run_control import fail_without_retry
+
+        fail_without_retry(str(error))  # a wrong setting is not retried
+        raise
     runner = make_task_runner(cfg.datagen)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
-    return pipeline(ref, cfg.model_dump(mode="json"))
+    state = pipeline(ref, cfg.model_dump(mode="json"), return_state=True)
+    if state.is_cancelled():
+        message = state.message or "cancelled"
+        stopped = RunStopped(message, 130 if "SIGINT" in message else 143)
+        if current_flow_run_id():
+            return state  # the deployment's run ends Cancelled too, without retries
+        raise stopped
+    return state.result()
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)

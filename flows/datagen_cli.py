@@ -14,7 +14,6 @@ against the batching API, which serves the shards it commits.
 from __future__ import annotations
 
 import asyncio
-import html
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 from environments.base import EnvSpec, load_env
 from factory.config import ConfigError, split_config_path
+from factory.preflight import PreflightError, preflight
 from factory.inference.client import InferenceClient
 from factory.store import ShardStore
 from flows.datagen import JobConfig, build_job_config, run_datagen
@@ -48,39 +48,16 @@ def write_groups_jsonl(store: ShardStore, run_id: str, path: Path) -> int:
     return count
 
 
-def _message_html(message: dict[str, Any]) -> str:
-    return (f'<div class="msg {html.escape(str(message.get("role", "")))}"><b>{html.escape(str(message.get("role")))}'
-            f"</b><pre>{html.escape(str(message.get('content', '')))}</pre></div>")
-
-
 def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) -> None:
-    """A single HTML file (no external assets) with each group's prompt and scored completions."""
-    parts = [
-        "<!doctype html><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}details{border:1px solid #ccc;margin:6px;"
-        "padding:6px}pre{white-space:pre-wrap;margin:2px}.msg{margin:4px 0}.assistant{background:#f3f7ff}"
-        ".good{color:#070}.bad{color:#a00}</style>",
-        f"<h1>{html.escape(title)}</h1>",
-    ]
+    """A single HTML file (CSS inlined, no scripts or external assets) of the groups, drawn with view-run's templates."""
+    from factory.viewer.render import render_static_groups
+
     with open(jsonl, encoding="utf-8") as source:
-        for index, line in enumerate(source):
-            if index >= limit:
-                parts.append(f"<p>… only the first {limit} groups are shown; see {html.escape(jsonl.name)}</p>")
-                break
-            group = json.loads(line)
-            scores = group["scores"]
-            conversations = group.get("messages") or [[] for _ in scores]
-            prompt = conversations[0][:-1] if conversations and conversations[0] else []
-            parts.append(f"<details><summary>{html.escape(group['item_key'])} — scores "
-                         f"{html.escape(', '.join(f'{s:g}' for s in scores))}</summary>")
-            parts.extend(_message_html(m) for m in prompt)
-            for score, conversation in zip(scores, conversations):
-                css = "good" if score == max(scores) else "bad"
-                reply = conversation[-1] if conversation else {"role": "assistant", "content": ""}
-                parts.append(f"<p class='{css}'>score {score:g}</p>{_message_html(reply)}")
-            parts.append("</details>")
-    path.write_text("\n".join(parts), encoding="utf-8")
+        total = sum(1 for line in source if line.strip())
+    with open(jsonl, encoding="utf-8") as source:
+        groups = (json.loads(line) for line in source if line.strip())
+        page = render_static_groups(groups, title=title, total=total, limit=limit, source_name=jsonl.name)
+    path.write_text(page, encoding="utf-8")
 
 
 def process(ref: str, cfg: JobConfig, config_path: str | None, args: list[str]) -> dict[str, Any]:
@@ -127,13 +104,23 @@ def main(ref: str, argv: list[str] | None = None) -> int:
         cfg = build_job_config(ref, config_path=config_path, cli_args=args)
         if mode == "serve" and not cfg.serve.api_url:
             raise ConfigError("serve mode needs the batching API: set --serve.api_url http://HOST:8000")
-    except (ConfigError, ValueError) as error:
+        preflight(cfg, mode=mode, wait_s=cfg.datagen.preflight_wait_s)
+    except (ConfigError, PreflightError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if mode == "evaluate":
-        evaluate(ref, cfg)
-    elif mode == "process":
-        process(ref, cfg, config_path, args)
-    else:
-        print(json.dumps(run_datagen(ref, config_path=config_path, cli_args=args), indent=2))
+    from flows.datagen_ops import RunStopped
+
+    try:
+        if mode == "evaluate":
+            evaluate(ref, cfg)
+        elif mode == "process":
+            process(ref, cfg, config_path, args)
+        else:
+            print(json.dumps(run_datagen(ref, config_path=config_path, cli_args=args), indent=2))
+    except RunStopped as stopped:
+        print(f"error: {stopped}", file=sys.stderr)
+        return stopped.code
+    except Exception as error:  # the cause is the last line printed, after Prefect's own logs
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -11,6 +11,7 @@ configured).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -67,8 +68,30 @@ def make_task_runner(d: Any) -> Any:
         block = Block.load(d.task_runner_block)
         if not hasattr(block, "task_runner"):
             raise ValueError(f"block {d.task_runner_block!r} has no task_runner() method; use a cluster block that does")
+        if "run_id" in inspect.signature(block.task_runner).parameters:
+            return block.task_runner(run_id=d.run_id)  # cluster jobs named for the run (blocks/slurm.py)
         return block.task_runner()
     return TASK_RUNNERS[d.task_runner](d)
+
+
+def use_endpoints_block(cfg: Any) -> None:
+    """Point `cfg.openai` at the endpoints of the block named in `datagen.endpoints_block`, keeping its other settings.
+
+    The sglang-on-slurm flow saves its servers (or router) as such a block, so a datagen deployment samples
+    from whatever that flow started without a parameter change.
+    """
+    name = cfg.datagen.endpoints_block
+    if not name:
+        return
+    from blocks.inference import InferenceEndpointsBlock
+
+    block = InferenceEndpointsBlock.load(name)
+    update = {"base_url": block.base_urls, "server_type": block.server_type, "api_key": block.api_key.get_secret_value(),
+              "num_max_requests_at_once": block.num_max_requests_at_once}
+    if block.model_name != "default":
+        update["model_name"] = block.model_name
+    cfg.openai = type(cfg.openai).model_validate({**cfg.openai.model_dump(), **update})
+    logger.info("sampling from the endpoints of block %r: %s", name, cfg.openai.base_url)
 
 
 class Backpressure:

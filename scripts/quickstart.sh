@@ -40,11 +40,23 @@ for _ in $(seq 1 240); do
 done
 
 echo "== deploy and run intern-bootcamp-datagen ($ITEMS problems x 16 responses)"
-python3 -m prefect --no-prompt deploy --name intern-bootcamp-datagen >/dev/null
+if ! python3 -m prefect --no-prompt deploy --name intern-bootcamp-datagen >.factory/deploy.log 2>&1; then
+  cat .factory/deploy.log
+  echo "error: prefect deploy failed (output above, also in .factory/deploy.log)"
+  exit 1
+fi
 PARAMS=$(printf '{"env": {"total_items": %d, "tokenizer_name": "%s"}, "openai": {"base_url": "http://127.0.0.1:%d"}, "datagen": {"store_root": "%s", "run_id": "%s"}}' \
   "$ITEMS" "$POLICY" "$POLICY_PORT" "$STORE" "$RUN_ID")
-python3 -m prefect deployment run intern-bootcamp-datagen/intern-bootcamp-datagen --params "$PARAMS" \
-  --watch --watch-timeout 1800
+if ! python3 -m prefect deployment run intern-bootcamp-datagen/intern-bootcamp-datagen --params "$PARAMS" \
+    >.factory/run.log 2>&1; then
+  cat .factory/run.log
+  echo "error: prefect deployment run failed (output above)"
+  exit 1
+fi
+FLOW_RUN_ID=$(grep -oE '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}' .factory/run.log | head -1)
+echo "flow run: http://127.0.0.1:${FACTORY_PREFECT_PORT:-4200}/runs/flow-run/$FLOW_RUN_ID (progress and summary artifacts there)"
+# Progress lines (chunks, groups kept, rollouts/s, ETA) until the run ends; non-zero unless it Completed.
+python3 -m factory.progress watch "$FLOW_RUN_ID"
 
 echo "== done"
 python3 - "$STORE" "$RUN_ID" <<'PY'

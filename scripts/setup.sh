@@ -8,7 +8,8 @@ PYTHON=${PYTHON:-python3}
 if [ "${FACTORY_SKIP_APT:-0}" != "1" ] && command -v apt-get >/dev/null; then
   need=()
   # slurmctld slurmd slurm-client munge: the one-node SLURM of tests/integration/test_inference_slurm.py
-  for pkg in ${FACTORY_APT_PACKAGES-slurmctld slurmd slurm-client munge}; do
+  # chromium chromium-driver: the headless browser of tests/integration/test_viewer_browser.py
+  for pkg in ${FACTORY_APT_PACKAGES-slurmctld slurmd slurm-client munge chromium chromium-driver}; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if [ ${#need[@]} -gt 0 ]; then

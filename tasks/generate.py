@@ -23,9 +23,10 @@ from typing import Any, Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env
+from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_messages
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.types import Completion, SamplingParams
+from factory.slurm_cluster import resolve_node_local, worker_identity
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ def load_tokenizer(name: str) -> Any:
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """Token ids of the chat prompt with the generation prompt opened, as the policy was trained to see it
+    (content parts flattened: a text-only template sees `<image>` where a picture is)."""
+    ids = tokenizer.apply_chat_template(text_messages(messages), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -80,18 +82,21 @@ class ClientSampler:
             ids = self._prompt_cache[key] = prompt_ids(self.tokenizer, messages)
         return ids
 
-    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams) -> list[Completion]:
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams,
+                       prompt_ids: list[int] | None = None) -> list[Completion]:
+        """Completions of `messages`; with /generate, `prompt_ids` (a multi-turn episode's exact sequence so far)
+        is sent as it is instead of templating the messages."""
         if self.api == "generate":
-            ids = self._ids(messages)
+            ids = list(prompt_ids) if prompt_ids is not None else self._ids(messages)
             completions = await self.client.generate(ids, n=n, sampling=sampling)
             return [c if c.prompt_token_ids else _replace(c, prompt_token_ids=ids) for c in completions]
         completions = await self.client.chat(messages, n=n, sampling=sampling)
         if self.tokenizer is None:
             return completions
-        return [self._tokenize(messages, c) for c in completions]
+        return [self._tokenize(messages, c, prompt_ids) for c in completions]
 
-    def _tokenize(self, messages: list[dict[str, Any]], c: Completion) -> Completion:
-        prompt = c.prompt_token_ids or self._ids(messages)
+    def _tokenize(self, messages: list[dict[str, Any]], c: Completion, prompt_ids: list[int] | None = None) -> Completion:
+        prompt = c.prompt_token_ids or prompt_ids or self._ids(messages)
         output = c.output_token_ids
         logprobs = c.output_logprobs
         if output is None:
@@ -165,6 +170,7 @@ class GeneratedChunk:
         self.items, self.rollouts, self.failed_items = items, rollouts, failed_items
         self.generate_s = generate_s
         self.started_at = started_at  # wall-clock start (time.time()), to measure the share of time in inference
+        self.worker: dict[str, Any] = {}  # where it was generated: host, SLURM job id, pid (chunk stats)
 
 
 async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, max_in_flight: int) -> GeneratedChunk:
@@ -195,10 +201,14 @@ def generate_chunk(
     api: SamplingApi = "auto",
     max_in_flight: int = 64,
     max_failed_fraction: float = 0.5,
+    plan: dict[str, Any] | None = None,
 ) -> GeneratedChunk:
-    """Items at `indices` and their rollouts; raises when more than `max_failed_fraction` of items failed."""
+    """Items at `indices` (drawn with a curriculum `plan` if given) and their rollouts; raises when more than
+    `max_failed_fraction` of items failed."""
     env = load_env(spec)
-    items = [env.get_item(i) for i in indices]
+    items = [env.get_item(i) if plan is None else env.get_planned_item(i, plan) for i in indices]
+    if (node_urls := resolve_node_local(openai.base_url)) != openai.base_url:
+        openai = openai.model_copy(update={"base_url": node_urls})  # this SLURM worker's own node server
     chosen = resolve_api(api, openai)
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
 
@@ -207,6 +217,7 @@ def generate_chunk(
         return await generate_items(env, items, ClientSampler(client, tokenizer, chosen), max_in_flight=max_in_flight)
 
     result = _SamplingLoop.run(run())
+    result.worker = worker_identity()
     if items and result.failed_items / len(items) > max_failed_fraction:
         example = next(r.error for g in result.rollouts for r in g if r.error)
         raise RuntimeError(

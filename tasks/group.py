@@ -41,6 +41,9 @@ class GroupedChunk:
         self.scored = 0
         self.generate_s = 0.0
         self.generate_started_at = 0.0
+        self.outcomes: list[tuple[Item, list[float] | None]] = []
+        """Every item of the chunk in order with its rollout scores (None if any rollout failed): the curriculum's input."""
+        self.worker: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[ScoredGroup]:
         """The kept groups, so the chunk itself goes to the shard writer (ShardStore.commit takes an iterable)."""
@@ -59,17 +62,20 @@ class GroupedChunk:
             "scored": self.scored,
             "generate_s": round(self.generate_s, 4),
             "generate_started_at": self.generate_started_at,
+            "worker": self.worker,
         }
 
 
 def sequence_tokens(rollout: Rollout) -> tuple[list[int], list[int], list[float] | None]:
-    """(tokens, masks, inference_logprobs) for one rollout: prompt positions masked and given logprob 1.0."""
+    """(tokens, masks, inference_logprobs) for one rollout: prompt positions (and, in multi-turn rollouts, the
+    environment's turns) masked and given logprob 1.0; only the model's own tokens are trained on."""
     prompt = list(rollout.prompt_token_ids or [])
     output = list(rollout.output_token_ids or [])
-    masks = [MASK_IGNORE] * len(prompt) + output
+    trained = rollout.output_mask if rollout.output_mask is not None else [True] * len(output)
+    masks = [MASK_IGNORE] * len(prompt) + [t if keep else MASK_IGNORE for t, keep in zip(output, trained)]
     logprobs = None
     if rollout.output_logprobs is not None and len(rollout.output_logprobs) == len(output):
-        logprobs = [1.0] * len(prompt) + [float(x) for x in rollout.output_logprobs]
+        logprobs = [1.0] * len(prompt) + [float(x) if keep else 1.0 for x, keep in zip(rollout.output_logprobs, trained)]
     return prompt + output, masks, logprobs
 
 
@@ -103,13 +109,16 @@ def build_group(
         masks=[m for _, m, _ in sequences],
         scores=scores,
         inference_logprobs=None if any(lp is None for lp in logprobs) else logprobs,  # type: ignore[arg-type]
-        messages=[[*item.messages, {"role": "assistant", "content": r.text}] for r in rollouts],
+        messages=[r.messages if r.messages is not None else [*item.messages, {"role": "assistant", "content": r.text}]
+                  for r in rollouts],
         generation_params=generation_params,
+        images=item.info.get("images"),  # multimodal items: the prompt's pictures, kept with the group
         group_id=make_group_id(env, item.key, seed, policy_version),
         env=env,
         item_key=item.key,
         policy_version=policy_version,
         run_id=run_id,
+        difficulty=item.info.get("difficulty"),
     )
 
 
@@ -141,6 +150,8 @@ def group_chunk(
             ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
             generation_params=generation_params,
         )
+        failed = any(r.error is not None or r.score is None for r in group_rollouts)
+        result.outcomes.append((item, None if failed else [float(r.score) for r in group_rollouts]))  # type: ignore[arg-type]
         if isinstance(built, str):
             result.dropped[built] += 1
         else:
@@ -168,6 +179,7 @@ def group_generated(
         generation_params=generation_params,
     )
     grouped.generate_s, grouped.generate_started_at = chunk.generate_s, chunk.started_at
+    grouped.worker = getattr(chunk, "worker", {})
     return grouped
 
 

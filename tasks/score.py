@@ -46,14 +46,15 @@ def score_chunk(
     workers: int = 2,
     mode: Literal["process", "inline"] = "process",
 ) -> list[list[Rollout]]:
-    """Fill in `score` (or `error`) on every rollout of the chunk; rollouts that already failed are left alone."""
-    todo = [(i, [r for r in group if r.error is None]) for i, group in enumerate(rollouts)]
+    """Fill in `score` (or `error`) on every rollout of the chunk; rollouts that already failed, or that the env
+    scored while collecting (an LLM judge), are left alone."""
+    todo = [(i, [r for r in group if r.error is None and r.score is None]) for i, group in enumerate(rollouts)]
     if mode == "inline":
         for i, live in todo:
-            _apply(live, score_item(spec, items[i], [r.text for r in live], None))
+            _apply(live, score_item(spec, items[i], [r.scoring_input() for r in live], None))
         return [list(group) for group in rollouts]
     pool = ScorerPool.get(workers)
-    pending = [(live, pool.apply_async(score_item, (spec, items[i], [r.text for r in live], timeout_s))) for i, live in todo]
+    pending = [(live, pool.apply_async(score_item, (spec, items[i], [r.scoring_input() for r in live], timeout_s))) for i, live in todo]
     deadline = timeout_s * (len(todo) / max(workers, 1) + 2) + 30
     end = time.monotonic() + deadline
     try:

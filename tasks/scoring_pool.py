@@ -24,8 +24,10 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _ScoreTimeout()
 
 
-def score_item(spec: EnvSpec, item: Item, texts: Sequence[str], timeout_s: float | None) -> list[float | str]:
-    """Scores for one item's completions; a string in place of a score is the error that happened."""
+def score_item(spec: EnvSpec, item: Item, texts: Sequence[str | list[dict[str, Any]]],
+               timeout_s: float | None) -> list[float | str]:
+    """Scores for one item's completions (reply texts, or whole conversations for multi-turn envs); a string in
+    place of a score is the error that happened."""
     env = load_env(spec, setup=False)
     use_alarm = timeout_s is not None and threading.current_thread() is threading.main_thread()
     if use_alarm:

@@ -8,11 +8,15 @@
 #
 # Needs root (it writes /etc/slurm and starts daemons). The node advertises
 # SLURM_LOCAL_CPUS (default 8) CPUs whatever the hardware has, so a few jobs
-# (server replicas, a router) fit at once on a 2-core CI machine.
+# (server replicas, a router, dask-jobqueue workers) fit at once on a 2-core CI
+# machine, and SLURM_LOCAL_MEM_MB (default 90% of RAM) of memory, so jobs that
+# ask for `--mem` (dask-jobqueue always does) are accepted; memory is not a
+# consumable resource here (CR_Core), it is only checked against that size.
 set -euo pipefail
 cmd=${1:-up}
 host=$(hostname)
 cpus=${SLURM_LOCAL_CPUS:-8}
+mem_mb=${SLURM_LOCAL_MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)}
 
 up() {
   for bin in slurmctld slurmd munged sinfo; do
@@ -41,7 +45,7 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-NodeName=${host} CPUs=${cpus} State=UNKNOWN
+NodeName=${host} CPUs=${cpus} RealMemory=${mem_mb} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
   [ -s /etc/munge/munge.key ] || { dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null; }

@@ -166,7 +166,7 @@ def group_from_wire(data: dict[str, Any]) -> ExportGroup:
         item_key=data.get("item_key") or "",
         scores=[float(s) for s in data["scores"]],
         seq_lens=[len(t) for t in tokens],
-        completion_lens=[sum(1 for m in mask if m != MASK_IGNORE) for mask in masks],
+        completion_lens=[len(mask) - mask.count(MASK_IGNORE) for mask in masks],
         _messages=data.get("messages"),
         _tokens=tokens,
         _masks=masks,
@@ -225,8 +225,8 @@ def _call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> Any:
     if response.status_code >= 400:
         raise SourceError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
     try:
-        return response.json()
-    except ValueError:
+        return orjson.loads(response.content)  # ~3x faster than response.json() on /batch's token lists
+    except orjson.JSONDecodeError:
         return response.text
 
 

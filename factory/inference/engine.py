@@ -193,9 +193,9 @@ class BatchingEngine:
         self._queue.put((kind, payload, future, loop))
         return await future
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         pending: list[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop]] = []

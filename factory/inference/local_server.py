@@ -45,7 +45,8 @@ def create_app(model_path: str, *, served_model_name: str | None = None, weight_
         engine = PolicyEngine(model_path, weight_version=weight_version)
         state["engine"] = BatchingEngine(engine, max_batch_rows=max_batch_rows)
         yield
-        state["engine"].close()
+        # Requests still running had the server's grace period already; the engine thread is a daemon.
+        state["engine"].close(timeout=2)
 
     app = FastAPI(title="factory policy server", lifespan=lifespan)
     register_routes(app, state, served_model_name or Path(model_path).name)
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", type=int, default=0, help="policy version of the weights loaded at start")
     parser.add_argument("--max-batch-rows", type=int, default=64, help="most sequences sampled in one batch")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS)")
+    parser.add_argument("--shutdown-grace-s", type=float, default=10.0,
+                        help="on SIGTERM/SIGINT, seconds requests in flight get to finish before the server exits")
     args = parser.parse_args(argv)
     if not Path(args.model, "config.json").is_file():
         parser.error(f"--model {args.model!r} is not a HF model directory (no config.json); "
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(args.model, served_model_name=args.served_model_name, weight_version=args.weight_version,
                      max_batch_rows=args.max_batch_rows)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=args.shutdown_grace_s)
 
 
 @dataclass

@@ -13,10 +13,16 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
-# Qwen-style ChatML; the generation prompt opens an assistant turn.
+# Qwen-style ChatML; the generation prompt opens an assistant turn. `{% generation %}` marks what the assistant
+# writes (its content and <|im_end|>), so `return_assistant_tokens_mask` / TRL's assistant-only loss accept it;
+# the rendered text is the same as without the markers.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -1,7 +1,8 @@
 """Atropos's batching API (same paths, bodies, responses and status codes) over `BatchService`.
 
 Hot paths (/scored_data, /scored_data_list, /batch) read and write raw bytes:
-bodies are parsed with orjson and validated as `ScoredGroup`, responses are
+bodies are decoded by `wire.py` (msgspec, straight to Arrow rows; loose as
+Atropos is, deduplicated only by group_id / Idempotency-Key), responses are
 built by `payload.py` without FastAPI's generic encoder. Bad input gets a 4xx
 naming the field; FastAPI's own models give its usual 422 detail list.
 """
@@ -16,14 +17,17 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from environments.groups import ScoredGroup
+from factory.serve.backpressure import IngestBudget, Overloaded
 from factory.serve.config import ServeConfig
 from factory.serve.http import RequestGuard, accepts_gzip, json_response
 from factory.serve.payload import PayloadError
 from factory.serve.service import BatchService
+from factory.serve.wire import WireError, decode_groups
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,37 @@ class RegisterEnv(BaseModel):
 
 class EnvIdentifier(BaseModel):
     env_id: int
+
+
+class ScoredDataDoc(BaseModel):
+    """Atropos's ScoredData, for the OpenAPI schema only (bodies are decoded by wire.py, unknown keys ignored)."""
+
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    scores: list[float]
+    advantages: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    messages: list[list[dict[str, Any]]] | None = None
+    generation_params: dict[str, Any] | None = None
+    inference_logprobs: list[list[float]] | None = None
+    overrides: list[dict[str, Any]] | None = None
+    group_overrides: dict[str, Any] | None = None
+    images: Any | None = None
+    env_id: int | None = None
+    distill_token_ids: list[list[list[int]]] | None = None
+    distill_logprobs: list[list[list[float]]] | None = None
+    group_id: str | None = None
+
+
+def _body_doc(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "Client-given identity: a retried post with the same key is stored once."}],
+    }
+
+
+_GROUP_DOC = ScoredDataDoc.model_json_schema()
 
 
 def _detail(error: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any]]:
@@ -95,6 +130,11 @@ def parse_groups(body: bytes, *, many: bool) -> list[ScoredGroup] | Response:
 def create_app(config: ServeConfig, service: BatchService | None = None) -> FastAPI:
     """The FastAPI app; the service (made from `config` if not given) starts and stops with it."""
     service = service or BatchService(config)
+    budget = IngestBudget(
+        int(config.ingest_budget_mb * (1 << 20)), max_waiting_bytes=int(config.ingest_waiting_mb * (1 << 20)),
+        max_wait_s=config.ingest_wait_s,
+    )
+    service.ingest_budget = budget
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +147,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
     app = FastAPI(title="rollout-factory batching API (Atropos-compatible)", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(RequestGuard, token=config.api_token, max_body_bytes=int(config.max_body_mb * (1 << 20)))
+    # Atropos's run-api answers browsers' CORS requests from any origin; outermost, so preflights need no token.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
 
     def respond(request: Request, data: Any = None, **kwargs: Any) -> Response:
         return json_response(request, data, gzip_level=config.gzip_level, gzip_min_bytes=config.gzip_min_bytes, **kwargs)
@@ -187,39 +229,55 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         example = await service.latest_example()
         return respond(request, raw=example) if isinstance(example, bytes) else respond(request, example)
 
-    async def ingest(request: Request, many: bool) -> Response | list[ScoredGroup]:
-        parsed = await asyncio.to_thread(parse_groups, await request.body(), many=many)
-        if isinstance(parsed, Response):
-            return parsed
+    async def ingest(request: Request, many: bool) -> Response | int:
+        body = await request.body()
+        try:
+            async with budget.reserve(len(body)):
+                return await store_groups(body, request.headers.get("idempotency-key") or None, many)
+        except Overloaded as error:
+            return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json",
+                            headers={"Retry-After": str(max(1, round(error.retry_after_s)))})
+
+    async def store_groups(body: bytes, key: str | None, many: bool) -> Response | int:
+        try:
+            parsed = await asyncio.to_thread(
+                decode_groups, body, many=many, strict=config.strict, idempotency_key=key, build=True, run_id=config.ingest_run
+            )
+        except WireError as error:
+            return _unprocessable(error.detail)
+        count = len(parsed.sizes)
         batch_size = service.info()["batch_size"]
-        for index, group in enumerate(parsed):
-            if batch_size > 0 and group.group_size > batch_size:
+        for index, size in enumerate(parsed.sizes):
+            if batch_size > 0 and size > batch_size:
                 loc = ["body", index, "tokens"] if many else ["body", "tokens"]
                 return _unprocessable(
-                    [{"type": "too_long", "loc": loc, "msg": f"group has {group.group_size} sequences but batch_size is {batch_size}"}]
+                    [{"type": "too_long", "loc": loc, "msg": f"group has {size} sequences but batch_size is {batch_size}"}]
                 )
         try:
-            await service.ingest(parsed)
+            await service.ingest_wire(parsed)
+        except WireError as error:
+            return _unprocessable(error.detail)
         except ValueError as error:
             return _unprocessable([{"type": "value_error", "loc": ["body"], "msg": str(error)}])
         except (OSError, RuntimeError) as error:
             logger.error("posted groups could not be committed: %s", error)
             return Response(
-                orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503, media_type="application/json"
+                orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503,
+                media_type="application/json", headers={"Retry-After": "1"},
             )
-        return parsed
+        return count
 
-    @app.post("/scored_data")
+    @app.post("/scored_data", openapi_extra=_body_doc(_GROUP_DOC))
     async def scored_data(request: Request) -> Response:
         result = await ingest(request, many=False)
         return result if isinstance(result, Response) else respond(request, {"status": "received"})
 
-    @app.post("/scored_data_list")
+    @app.post("/scored_data_list", openapi_extra=_body_doc({"type": "array", "items": _GROUP_DOC}))
     async def scored_data_list(request: Request) -> Response:
         result = await ingest(request, many=True)
         if isinstance(result, Response):
             return result
-        return respond(request, {"status": "received", "groups_processed": len(result)})
+        return respond(request, {"status": "received", "groups_processed": result})
 
     @app.get("/reset_data")
     async def reset_data() -> PlainTextResponse:

@@ -41,7 +41,8 @@ def run_service(config: ServeConfig, *, stop_after_steps: int | None = None, max
     """
     service = BatchService(config)
     app = create_app(config, service)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                                           access_log=False, timeout_graceful_shutdown=config.shutdown_grace_s))
     started = time.monotonic()
 
     async def watch() -> None:
@@ -67,10 +68,12 @@ def run_service(config: ServeConfig, *, stop_after_steps: int | None = None, max
 
 
 def serve(config: ServeConfig) -> None:
-    """Run the service until interrupted (SIGINT/SIGTERM stop it cleanly)."""
+    """Run the service until interrupted: SIGINT/SIGTERM stop taking connections, give requests in flight
+    `shutdown_grace_s`, then commit (fsync) pending posted groups, close the served state and exit."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=config.shutdown_grace_s)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,12 +103,30 @@ class EnvClient:
                 raise TimeoutError(f"env {name!r} could not register: {data}")
             time.sleep(0.2)
 
-    def post(self, groups: list[dict[str, Any]]) -> httpx.Response:
-        """Post one group (/scored_data) or several (/scored_data_list), tagged with this env's id."""
+    def post(self, groups: list[dict[str, Any]], *, retries: int = 0, retry_wait_s: float = 0.5,
+             idempotency_key: str | None = None) -> httpx.Response:
+        """Post one group (/scored_data) or several (/scored_data_list), tagged with this env's id.
+
+        Every post carries an Idempotency-Key (reused on each retry), so a post
+        retried after a lost acknowledgement is stored once. With `retries`,
+        connection errors and 5xx answers are retried (honouring Retry-After).
+        """
         items = [{**group, "env_id": self.env_id} for group in groups]
         path, payload = ("/scored_data", items[0]) if len(items) == 1 else ("/scored_data_list", items)
         body, headers = encode_body(payload)
-        return self.http.post(path, content=body, headers=headers)
+        headers["Idempotency-Key"] = idempotency_key or uuid.uuid4().hex
+        for attempt in range(retries + 1):
+            try:
+                reply = self.http.post(path, content=body, headers=headers)
+            except httpx.TransportError:
+                if attempt == retries:
+                    raise
+                time.sleep(retry_wait_s)
+                continue
+            if reply.status_code < 500 or attempt == retries:
+                return reply
+            time.sleep(float(reply.headers.get("retry-after", retry_wait_s)))
+        raise AssertionError("unreachable")
 
     def status(self) -> dict[str, Any]:
         return self.http.request("GET", "/status-env", json={"env_id": self.env_id}).json()

@@ -36,7 +36,20 @@ class ServeConfig(FactoryConfig):
     payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
     batch_metadata: bool = Field(False, description="Add group_id, env and policy_version to each group in /batch responses.")
+    ingest_budget_mb: float = Field(
+        48.0, gt=0, description="Decompressed bytes of posted bodies decoded and awaiting commit at once (bounds memory); "
+        "more requests wait in line.",
+    )
+    ingest_waiting_mb: float = Field(
+        512.0, gt=0, description="Bytes of bodies allowed to wait for the ingest budget; beyond that (or after ingest_wait_s) 503 + Retry-After.",
+    )
+    ingest_wait_s: float = Field(30.0, gt=0, description="Longest a post waits for the ingest budget before a 503 + Retry-After.")
+    strict: bool = Field(
+        False, description="Refuse (422, naming the field) posted groups whose masks/advantages/logprobs/messages/overrides "
+        "don't line up with tokens; by default they are stored as sent, as Atropos does, and counted in /status 'unaligned'.",
+    )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")
 
     @field_validator("env_min_batch_allocation")
     @classmethod

@@ -1,6 +1,6 @@
 """Group commit of POSTed groups: every request waits until its groups are in a committed shard.
 
-Requests put their validated groups on a pending list and wait; one writer
+Requests put their groups (rows of GROUP_SCHEMA) on a pending list and wait; one writer
 takes everything pending, commits it as a single shard (producer, next chunk)
 in a worker thread, and then wakes all those requests at once. While a commit
 is being written, new requests pile up for the next one, so ingest speed
@@ -10,19 +10,55 @@ grows with concurrency instead of paying one fsync per group.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from environments.groups import ScoredGroup
+import pyarrow as pa
+
 from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
 
+_M_ARENA_MAX = -8
+TRIM_EVERY_BYTES = 64 << 20
+"""Give freed heap back to the OS after about this many bytes of groups were committed."""
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def limit_allocator_growth() -> None:
+    """Few malloc arenas (decoding threads otherwise each keep their own high-water mark) and Arrow's
+    jemalloc giving pages back at once: the service's RSS follows what it holds, not what it once parsed."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_ARENA_MAX, 2)
+    try:
+        pa.jemalloc_set_decay_ms(0)
+    except (NotImplementedError, pa.ArrowNotImplementedError, AttributeError):
+        pass
+
+
+def return_free_memory() -> None:
+    """Give freed heap pages back to the OS (glibc), e.g. after a commit freed a batch of decoded groups."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
 
 @dataclass
 class _Pending:
-    groups: list[ScoredGroup]
+    rows: pa.RecordBatch
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -34,7 +70,7 @@ class GroupCommitter:
         store: ShardStore,
         run_id: str,
         producer: str,
-        on_commit: Callable[[CommitRecord, list[ScoredGroup]], Awaitable[None] | None],
+        on_commit: Callable[[CommitRecord, pa.Table], Awaitable[None] | None],
         *,
         max_groups: int = 1024,
         row_group_groups: int = 16,
@@ -50,6 +86,7 @@ class GroupCommitter:
             (record.chunk for record in store.committed(run_id).values() if record.producer == producer), default=-1
         )
         self.commits = 0
+        self._since_trim = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="group-committer")
@@ -67,11 +104,11 @@ class GroupCommitter:
             pass
         self._task = None
 
-    async def submit(self, groups: list[ScoredGroup]) -> None:
-        """Return once `groups` are committed to a shard (raises if the commit failed)."""
+    async def submit(self, rows: pa.RecordBatch) -> None:
+        """Return once `rows` are committed to a shard (raises if the commit failed)."""
         if self._task is None or self._task.done():
             raise RuntimeError("the group committer is not running; start the service before posting groups")
-        pending = _Pending(groups)
+        pending = _Pending(rows)
         self._pending.append(pending)
         self._wake.set()
         await pending.done
@@ -82,18 +119,18 @@ class GroupCommitter:
             self._wake.clear()
             while self._pending:
                 take, count = [], 0
-                while self._pending and (not take or count + len(self._pending[0].groups) <= self.max_groups):
+                while self._pending and (not take or count + self._pending[0].rows.num_rows <= self.max_groups):
                     item = self._pending.pop(0)
                     take.append(item)
-                    count += len(item.groups)
-                groups = [group for item in take for group in item.groups]
+                    count += item.rows.num_rows
+                groups = pa.Table.from_batches([item.rows for item in take])
                 try:
                     record = await self._commit(groups)
                     result = self.on_commit(record, groups)
                     if asyncio.iscoroutine(result):
                         await result
                 except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
-                    logger.exception("commit of %d posted groups failed", len(groups))
+                    logger.exception("commit of %d posted groups failed", groups.num_rows)
                     for item in take:
                         if not item.done.done():
                             item.done.set_exception(error)
@@ -102,7 +139,7 @@ class GroupCommitter:
                     if not item.done.done():
                         item.done.set_result(None)
 
-    async def _commit(self, groups: list[ScoredGroup]) -> CommitRecord:
+    async def _commit(self, groups: pa.Table) -> CommitRecord:
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1
@@ -111,5 +148,9 @@ class GroupCommitter:
             )
             if not record.skipped:
                 self.commits += 1
+                self._since_trim += groups.nbytes
+                if self._since_trim >= TRIM_EVERY_BYTES:
+                    self._since_trim = 0
+                    await asyncio.to_thread(return_free_memory)
                 return record
             logger.warning("chunk %d of %s/%s was already committed (another writer?); using the next", chunk, self.run_id, self.producer)

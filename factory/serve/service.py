@@ -24,20 +24,23 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
-from factory.serve.ingest import GroupCommitter
+from factory.serve.ingest import GroupCommitter, limit_allocator_growth
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
+from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, stamp, to_record_batch
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
+from factory.schema import groups_to_record_batch
 from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
@@ -70,11 +73,13 @@ class BatchService:
         self._known: set[tuple[str, str]] = set()
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
+        self._inflight: dict[str, asyncio.Future[None]] = {}
         self._replay: deque[tuple[int, list[tuple[int, int]]]] = deque()
         self._prefetched: tuple[list[Entry], BatchBody] | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self.committer: GroupCommitter | None = None
+        self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
         self._load()
@@ -87,6 +92,7 @@ class BatchService:
         self.envs: list[dict[str, Any]] = self.state.envs()
         self.skipped_stale = self.state.count_taken(SKIPPED_STALE)
         self.skipped_oversize = self.state.count_taken(SKIPPED_OVERSIZE)
+        self.unaligned: Counter[str] = Counter(self.state.get("unaligned", {}))
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
@@ -107,6 +113,7 @@ class BatchService:
         logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
 
     async def start(self) -> None:
+        limit_allocator_growth()
         self._add_shards(await asyncio.to_thread(self._scan))
         self.committer = GroupCommitter(
             self.store,
@@ -170,47 +177,126 @@ class BatchService:
             lane = self.queue.lane(("id", env_id) if env_id is not None else ("name", env))
             self.queue.add(source, row, size, lane, version)
 
-    def _on_commit(self, record: CommitRecord, groups: list[ScoredGroup]) -> None:
+    def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
         if (record.run_id, record.shard) in self._known:
             return
-        self.state.add_group_ids(group.group_id for group in groups)
+        columns = rows.select(["group_id", "group_size", "env", "env_id", "policy_version"]).to_pydict()
+        self.state.add_group_ids(columns["group_id"])
         source = self.state.add_source(record.run_id, record.shard, record.rows)
         self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
         self._known.add((record.run_id, record.shard))
-        for row, group in enumerate(groups):
-            key = ("id", group.env_id) if group.env_id is not None else ("name", group.env)
-            self.queue.add(source, row, group.group_size, self.queue.lane(key), group.policy_version)
+        for row, (size, env, env_id, version) in enumerate(
+            zip(columns["group_size"], columns["env"], columns["env_id"], columns["policy_version"])
+        ):
+            key = ("id", env_id) if env_id is not None else ("name", env)
+            self.queue.add(source, row, size, self.queue.lane(key), version)
         self._kick_prefetch()
 
-    async def ingest(self, groups: list[ScoredGroup]) -> int:
-        """Stamp posted groups with factory metadata and return once they are committed to a shard.
+    def _env_name(self, env_id: int | None) -> str:
+        env = self.envs[env_id] if env_id is not None and 0 <= env_id < len(self.envs) else None
+        return env["desired_name"] if env else "external"
 
-        Groups whose id was already ingested (a client retrying after a crash
-        or a timeout) are acknowledged without being stored again; returns how
-        many were new.
+    async def ingest(self, groups: list[ScoredGroup]) -> int:
+        """Stamp validated groups with factory metadata and return once they are committed to a shard.
+
+        Deduplicated by `group_id` only (ids already stored are acknowledged
+        without storing them again); returns how many were new.
         """
-        known = self.state.known_group_ids([group.group_id for group in groups])
-        fresh, seen = [], set()
+        fresh, future, mine = self._claim([group.group_id for group in groups])
+        groups = [group for group, new in zip(groups, fresh) if new is None]
         for group in groups:
-            if group.group_id in known or group.group_id in seen:
-                continue
-            seen.add(group.group_id)
-            fresh.append(group)
-        if len(fresh) < len(groups):
-            logger.info("%d posted groups were already stored; acknowledged without storing again", len(groups) - len(fresh))
-        groups = fresh
-        for group in groups:
-            env = self.envs[group.env_id] if group.env_id is not None and 0 <= group.env_id < len(self.envs) else None
             if not group.env:
-                group.env = env["desired_name"] if env else "external"
+                group.env = self._env_name(group.env_id)
             group.run_id = self.config.ingest_run
             if "policy_version" not in group.model_fields_set:
                 group.policy_version = self.step
-        if self.committer is None:
-            raise RuntimeError("the service is not started")
-        if groups:
-            await self.committer.submit(groups)
+        ids = [group.group_id for group in groups]
+        await self._submit(future, mine, lambda: groups_to_record_batch(groups) if groups else None, fresh)
         return len(groups)
+
+    async def ingest_wire(self, parsed: WireGroups) -> int:
+        """Store posted groups (decoded by `wire.decode_groups`) and return once they are committed.
+
+        Only groups with a client-given identity (group_id or Idempotency-Key)
+        can be recognised as already stored; the rest are always stored.
+        Returns how many were stored by this call.
+        """
+        claims, future, mine = self._claim([i if known else None for i, known in zip(parsed.ids, parsed.identified)])
+        keep = [index for index, claim in enumerate(claims) if claim is None]
+        envs = [parsed.envs[i] or self._env_name(parsed.env_ids[i]) for i in keep]
+        step = self.step
+        versions = [parsed.versions[i] if parsed.versions[i] is not None else step for i in keep]
+        unaligned = Counter(name for i in keep for name in parsed.unaligned_by_group[i])
+        if parsed.rows is not None:
+            rows = parsed.rows
+            parsed.rows = None
+
+            def build() -> pa.RecordBatch | None:
+                return stamp(rows, keep, envs, versions) if keep else None
+        else:
+            box = [[parsed.groups[i] for i in keep]]
+            ids = [parsed.ids[i] for i in keep]
+            parsed.groups = []  # only `box` holds the decoded groups now: freed as soon as they are Arrow rows
+
+            def build() -> pa.RecordBatch | None:
+                decoded = box.pop()
+                if not decoded:
+                    return None
+                return to_record_batch(decoded, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
+
+        await self._submit(future, mine, build, claims)
+        if unaligned:
+            self.unaligned.update(unaligned)
+            self.state.put(unaligned=dict(self.unaligned))
+        return len(keep)
+
+    def _claim(self, ids: list[str | None]) -> tuple[list[Any], asyncio.Future[None], set[str]]:
+        """Claim ids for this request: per id None (this request stores it), True (already stored) or the
+        future of the in-flight commit that stores it; plus this request's future and claimed ids."""
+        named = [i for i in ids if i is not None]
+        known = self.state.known_group_ids(named) if named else set()
+        claims: list[asyncio.Future[None] | bool | None] = []
+        mine: set[str] = set()
+        for group_id in ids:
+            if group_id is None:
+                claims.append(None)
+            elif group_id in known or group_id in mine:
+                claims.append(True)
+            elif group_id in self._inflight:
+                claims.append(self._inflight[group_id])
+            else:
+                mine.add(group_id)
+                claims.append(None)
+        duplicates = sum(1 for c in claims if c is not None)
+        if duplicates:
+            logger.info("%d posted groups were already stored or in flight; acknowledged without storing again", duplicates)
+        future = asyncio.get_running_loop().create_future()
+        for group_id in mine:
+            self._inflight[group_id] = future
+        return claims, future, mine
+
+    async def _submit(self, future: asyncio.Future[None], mine: set[str], build: Any, claims: list[Any]) -> None:
+        """Build this request's rows (in a thread), commit them, then wait for in-flight commits of its duplicates."""
+        try:
+            if self.committer is None:
+                raise RuntimeError("the service is not started")
+            rows = await asyncio.to_thread(build)
+            if rows is not None:
+                await self.committer.submit(rows)
+            if not future.done():
+                future.set_result(None)
+        except BaseException as error:
+            if not future.done():
+                future.set_exception(error if isinstance(error, Exception) else RuntimeError("cancelled"))
+                future.exception()  # retrieved: other waiters re-raise it themselves
+            raise
+        finally:
+            for group_id in mine:
+                if self._inflight.get(group_id) is future:
+                    del self._inflight[group_id]
+        for other in claims:
+            if isinstance(other, asyncio.Future):
+                await asyncio.shield(other)
 
     # ---- trainer and env registration ----
     async def register(self, registration: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +372,9 @@ class BatchService:
             "served_groups": self.state.served_groups(),
             "skipped_stale": self.skipped_stale,
             "skipped_oversize": self.skipped_oversize,
+            # Groups stored with a field whose lengths don't line up with tokens (Atropos stores them as sent).
+            "unaligned": {name: self.unaligned.get(name, 0) for name in SEQUENCE_FIELDS},
+            **({"ingest": self.ingest_budget.status()} if self.ingest_budget is not None else {}),
         }
 
     def lane_policies(self) -> dict[int, LanePolicy]:
@@ -455,3 +544,4 @@ class BatchService:
             self.envs, self.requesters = [], []
             self._replay.clear()
             self.skipped_stale = self.skipped_oversize = 0
+            self.unaligned.clear()

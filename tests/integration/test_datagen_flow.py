@@ -59,6 +59,8 @@ def test_flow_writes_readable_shards_with_tokens_stats_and_artifacts(prefect_ser
     assert (store.run_dir("flow-1") / "config-intern-bootcamp.yaml").is_file()
     stats = json.loads((store.run_dir("flow-1") / "stats-intern-bootcamp.json").read_text())
     assert stats["rollouts"] == 48 and stats["session_rollouts_per_s"] > 0
+    chunk_stats = json.loads((store.run_dir("flow-1") / "stats-intern-bootcamp-00000000.json").read_text())
+    assert len(chunk_stats["flow_run_id"]) == 36  # view-run links the run to this Prefect flow run
     assert Artifact.get("flow-1-summary") is not None
     assert Artifact.get("flow-1-progress") is not None
 

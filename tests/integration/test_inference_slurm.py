@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,24 +21,10 @@ from factory.inference.sglang_slurm import SGLangCluster, SGLangLaunchSpec
 from factory.inference.tiny_model import make_tiny_policy
 from factory.inference.types import SamplingParams
 from tests.conftest import free_port
+from tests.integration.conftest import jobs_named as _jobs_named
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def slurm() -> None:
-    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
-        pytest.skip("SLURM is not installed (apt-get install slurmctld slurmd slurm-client munge)")
-    if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
-        if os.geteuid() != 0:
-            pytest.skip("SLURM is not running and starting it needs root (deployments/slurm/local_cluster.sh up)")
-        subprocess.run(["bash", str(REPO / "deployments/slurm/local_cluster.sh"), "up"], check=True, timeout=120)
-
-
-def _jobs_named(prefix: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
-    return [name for name in out if name.startswith(prefix)]
 
 
 def free_port_run(count: int = 2) -> int:

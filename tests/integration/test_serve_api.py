@@ -124,7 +124,8 @@ def test_status_env_get_with_json_body_and_query(http):
 @pytest.mark.parametrize(
     "mutate, field",
     [
-        (lambda g: g.update(masks=g["masks"][:1]), "masks"),
+        # Lengths that don't line up are stored as Atropos stores them (see test_serve_conformance); types are checked.
+        (lambda g: g.update(masks=[["x"]] * 4), "masks"),
         (lambda g: g.update(scores="high"), "scores"),
         (lambda g: g.pop("tokens"), "tokens"),
         (lambda g: g.update(messages=[[{"role": "user"}]] * 4), "messages"),

@@ -7,13 +7,13 @@ import random
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 
 import httpx
 import orjson
 import pytest
 
-from environments.groups import content_group_id
 from factory.serve.client import ApiProcess, EnvClient, TrainerClient
 from factory.store import ShardStore
 from factory.synthetic import synthetic_groups
@@ -28,14 +28,20 @@ def wire(group) -> dict:
     return orjson.loads(orjson.dumps(group.wire_dict()))
 
 
+def content(group: dict) -> bytes:
+    """Groups are told apart by content here (every test group is distinct); the service never dedups by it."""
+    return orjson.dumps([group["tokens"], group["scores"]])
+
+
 def post_all(env: EnvClient, groups: list[dict], stop: threading.Event, errors: list[str]) -> None:
     """Post in random chunks; like Atropos's env, retry transport errors and 5xx, never 4xx."""
     rng = random.Random(1)
-    index = 0
+    index, key = 0, None
     while index < len(groups) and not stop.is_set():
-        chunk = groups[index : index + rng.randint(1, 6)]
+        if key is None:  # a new chunk; a retried chunk keeps its size and its Idempotency-Key
+            chunk, key = groups[index : index + rng.randint(1, 6)], uuid.uuid4().hex
         try:
-            reply = env.post(chunk)
+            reply = env.post(chunk, idempotency_key=key)
         except httpx.TransportError:
             time.sleep(0.2)
             continue
@@ -45,7 +51,7 @@ def post_all(env: EnvClient, groups: list[dict], stop: threading.Event, errors: 
         if reply.status_code != 200:
             errors.append(reply.text)
             return
-        index += len(chunk)
+        index, key = index + len(chunk), None
         time.sleep(0.005)
 
 
@@ -69,15 +75,15 @@ def run_training(tmp_path, kills: int) -> tuple[Counter, set[str]]:
         posted = [wire(g) for g in synthetic_groups(100, group_size=4, seq_len=48, seed=3)]
         posted += [wire(g) for g in synthetic_groups(50, group_size=8, seq_len=24, seed=4)]
         random.Random(0).shuffle(posted)
-        expected = {content_group_id(g["tokens"], g["scores"], env.env_id) for g in posted}
-        expected |= {g.group_id for g in generated}
+        expected = {content(g) for g in posted} | {content(wire(g)) for g in generated}
+        assert len(expected) == len(posted) + len(generated)
         total_sequences = sum(len(g["tokens"]) for g in posted) + 20 * 8
         assert total_sequences % BATCH == 0
 
         stop, errors = threading.Event(), []
         poster = threading.Thread(target=post_all, args=(env, posted, stop, errors), daemon=True)
         poster.start()
-        served: Counter = Counter(g["group_id"] for g in first)
+        served: Counter = Counter(content(g) for g in first)
         batches = 1
         kill_at = {6 * (k + 1) for k in range(kills)}
         deadline = time.monotonic() + 120
@@ -103,7 +109,7 @@ def run_training(tmp_path, kills: int) -> tuple[Counter, set[str]]:
                 time.sleep(0.05)
                 continue
             assert sum(len(g["tokens"]) for g in batch) == BATCH
-            served.update(g["group_id"] for g in batch)
+            served.update(content(g) for g in batch)
             batches += 1
         stop.set()
         poster.join(timeout=10)

@@ -1,0 +1,216 @@
+"""Batching API side by side, interleaved: rollout-factory's run-api vs atroposlib 0.4.0's run-api.
+
+    python -m bench.serve.run                # 3 interleaved pairs (ours, atropos, ours, atropos, ...), median ratios
+    python -m bench.serve.run --pairs 5 --groups 2000
+    ATROPOS_VENV=/work/.venv-atropos python -m bench.serve.run   # where the atroposlib venv already is
+    python -m bench.serve.run --smoke        # seconds: tiny load, one pair (ours only if the Atropos venv is absent)
+    python -m bench.serve.run --rss 1000,10000   # ours: server RSS after ingesting that many groups (8 clients, 64/request)
+
+Load per server start: groups of 8 sequences x 1024 tokens (tokens, masks,
+inference logprobs, messages), all distinct, posted by 8 concurrent clients
+as Atropos's env client sends them (JSON, gzip), first one group per request,
+then 64 per request; then a trainer pulls /batch (256 sequences). Ours
+acknowledges a post only once its groups are fsynced in a committed Parquet
+shard; Atropos keeps them in memory. Each pair starts both servers fresh on
+the same load; the table shows medians over pairs and the median of the
+per-pair ratios. JSON lines of every run go to --json if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+
+from bench.atropos_venv import DEFAULT_VENV
+from factory.serve.client import ApiProcess, EnvClient, TrainerClient
+from factory.synthetic import synthetic_groups
+from tests.conftest import free_port
+
+GROUP_SIZE, SEQ_LEN, BATCH, CLIENTS = 8, 1024, 256, 8
+HIGHER_IS_BETTER = {"ingest groups/s (1 per request)", "ingest groups/s (64 per request)"}
+
+
+def make_groups(count: int, start: int = 0, seq_len: int = SEQ_LEN) -> list[dict]:
+    """Distinct groups: 16 synthetic templates, the first token of each copy set to its index."""
+    base = [orjson.loads(orjson.dumps(g.wire_dict())) for g in synthetic_groups(16, group_size=GROUP_SIZE, seq_len=seq_len)]
+    groups = []
+    for i in range(start, start + count):
+        group = dict(base[i % len(base)])
+        group["tokens"] = [[i, *group["tokens"][0][1:]], *group["tokens"][1:]]
+        group["env_id"] = 0
+        groups.append(group)
+    return groups
+
+
+def bodies(groups: list[dict], per_request: int) -> list[bytes]:
+    """gzip (level 9 by default, as Atropos's env client's gzip.compress) JSON bodies."""
+    out = []
+    for start in range(0, len(groups), per_request):
+        chunk = groups[start : start + per_request]
+        out.append(gzip.compress(orjson.dumps(chunk[0] if per_request == 1 else chunk)))
+    return out
+
+
+async def post_all(url: str, payloads: list[bytes], path: str, clients: int = CLIENTS) -> float:
+    """Seconds for `clients` concurrent clients to post every body (5xx and dropped connections are retried)."""
+    queue = list(reversed(payloads))
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+
+    async def client() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            while queue:
+                body = queue.pop()
+                while True:
+                    try:
+                        reply = await http.post(path, content=body, headers=headers)
+                    except httpx.TransportError:
+                        await asyncio.sleep(0.2)
+                        continue
+                    if reply.status_code >= 500:
+                        await asyncio.sleep(float(reply.headers.get("retry-after", "0.2")))
+                        continue
+                    reply.raise_for_status()
+                    break
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return time.perf_counter() - start
+
+
+def rss_mib(pid: int) -> float:
+    process = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / (1 << 20)
+
+
+def cpu_s(pid: int) -> float:
+    process = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
+
+
+def ours_command(port: int, root: str) -> list[str]:
+    return [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1", "--store_root", root,
+            "--log_level", "warning"]
+
+
+def atropos_command(port: int) -> list[str]:
+    return [str(DEFAULT_VENV / "bin" / "run-api"), "--port", str(port)]
+
+
+def measure(name: str, n_single: int, n_list: int, n_batches: int) -> dict[str, float]:
+    """One fresh server of `name` ('ours' or 'atropos') through the whole load; its metrics."""
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as root:
+        port = free_port()
+        command = ours_command(port, root) if name == "ours" else atropos_command(port)
+        with ApiProcess(command, port, log_path=str(Path(root) / "api.log")) as api:
+            trainer, env = TrainerClient(api.url, timeout=300), EnvClient(api.url, timeout=300)
+            trainer.register(BATCH, max_token_len=SEQ_LEN * 2)
+            trainer.batch()
+            env.register("bench", GROUP_SIZE, max_token_length=SEQ_LEN)
+            singles = bodies(make_groups(n_single), 1)
+            lists = bodies(make_groups(n_list, start=n_single), 64)
+            pid = api.process.pid
+            rss0, cpu0 = rss_mib(pid), cpu_s(pid)
+            t_single = asyncio.run(post_all(api.url, singles, "/scored_data"))
+            cpu1 = cpu_s(pid)
+            t_list = asyncio.run(post_all(api.url, lists, "/scored_data_list"))
+            cpu2 = cpu_s(pid)
+            rss1 = rss_mib(pid)
+            latencies = []
+            with httpx.Client(base_url=api.url, timeout=300) as http:  # sends Accept-Encoding: gzip, as aiohttp does
+                for _ in range(n_batches):
+                    start = time.perf_counter()
+                    batch = http.get("/batch").json()["batch"]
+                    latencies.append(time.perf_counter() - start)
+                    assert batch and sum(len(g["tokens"]) for g in batch) == BATCH, f"{name}: short batch"
+            latencies.sort()
+            return {
+                "ingest groups/s (1 per request)": n_single / t_single,
+                "ingest groups/s (64 per request)": n_list / t_list,
+                "server CPU ms per group (1 per request)": 1000 * (cpu1 - cpu0) / n_single,
+                "server CPU ms per group (64 per request)": 1000 * (cpu2 - cpu1) / n_list,
+                "/batch p50 ms": 1000 * statistics.median(latencies),
+                "/batch p99 ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                "server RSS MiB after ingest": rss1,
+                "server RSS MiB growth during ingest": rss1 - rss0,
+            }
+
+
+def table(runs: dict[str, list[dict[str, float]]]) -> str:
+    names = [n for n in ("ours", "atropos") if runs.get(n)]
+    lines = ["| metric | rollout-factory | atroposlib 0.4.0 | median ratio (ours / atropos) |", "|---|---:|---:|---:|"]
+    for metric in runs["ours"][0]:
+        values = {n: statistics.median(r[metric] for r in runs[n]) for n in names}
+        ratio = "-"
+        if "atropos" in names:
+            ratios = [o[metric] / a[metric] for o, a in zip(runs["ours"], runs["atropos"]) if a[metric]]
+            ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        atropos = f"{values['atropos']:.1f}" if "atropos" in values else "-"
+        lines.append(f"| {metric} | {values['ours']:.1f} | {atropos} | {ratio} |")
+    return "\n".join(lines)
+
+
+def rss_curve(counts: list[int], seq_len: int = SEQ_LEN) -> None:
+    """Ours: server RSS after ingesting each count of groups (8 clients, 64 groups per request, all acknowledged)."""
+    with tempfile.TemporaryDirectory(prefix="bench-serve-rss-") as root:
+        port = free_port()
+        with ApiProcess(ours_command(port, root), port, log_path=str(Path(root) / "api.log")) as api:
+            print("| groups ingested | server RSS MiB | peak ingest bytes in use MiB |\n|---:|---:|---:|")
+            print(f"| 0 | {rss_mib(api.process.pid):.0f} | 0 |")
+            done = 0
+            for target in counts:
+                while done < target:
+                    step = min(2048, target - done)
+                    asyncio.run(post_all(api.url, bodies(make_groups(step, start=done, seq_len=seq_len), 64), "/scored_data_list"))
+                    done += step
+                status = httpx.get(api.url + "/status").json()
+                assert status["queue_size"] == done, status
+                peak = status["ingest"]["peak_in_use_bytes"] / (1 << 20)
+                print(f"| {done} | {rss_mib(api.process.pid):.0f} | {peak:.0f} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny load, one pair: finishes in seconds")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=2000, help="groups posted 64 per request (half as many 1 per request)")
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--skip-atropos", action="store_true")
+    parser.add_argument("--rss", default=None, help="comma-separated group counts: ours' RSS curve instead of the comparison")
+    parser.add_argument("--json", default=None, help="append one JSON line per server run to this file")
+    args = parser.parse_args(argv)
+    if args.rss:
+        rss_curve([int(c) for c in args.rss.split(",")])
+        return
+    n_list, n_batches, pairs = (64, 2, 1) if args.smoke else (args.groups, args.batches, args.pairs)
+    n_single = 16 if args.smoke else max(64, n_list // 2)
+    n_list = max(64, n_list // 64 * 64)
+    with_atropos = not args.skip_atropos and (DEFAULT_VENV / "bin" / "run-api").exists()
+    if not with_atropos and not args.skip_atropos:
+        print(f"[bench] no atroposlib venv at {DEFAULT_VENV} (python -m bench.atropos_venv makes it): ours only", file=sys.stderr)
+    runs: dict[str, list[dict[str, float]]] = {"ours": [], "atropos": []}
+    for pair in range(pairs):
+        for name in ("ours", "atropos") if with_atropos else ("ours",):
+            result = measure(name, n_single, n_list, n_batches)
+            runs[name].append(result)
+            print(f"[bench] pair {pair + 1}/{pairs} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result.items()), file=sys.stderr)
+            if args.json:
+                with open(args.json, "a") as out:
+                    out.write(json.dumps({"bench": "serve", "server": name, "pair": pair, **result}) + "\n")
+    print(f"{pairs} interleaved pair(s); {n_single} groups 1 per request, {n_list} groups 64 per request, "
+          f"{CLIENTS} clients, {GROUP_SIZE}x{SEQ_LEN} tokens per group, {n_batches} batches of {BATCH}")
+    print(table(runs))
+
+
+if __name__ == "__main__":
+    main()

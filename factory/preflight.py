@@ -1,0 +1,171 @@
+"""Checks a job's settings before any work starts, so a wrong setting fails in seconds with one line naming it.
+
+    preflight(cfg, mode="process")   # raises PreflightError("openai.base_url", "http://…", "not reachable: …")
+
+What is checked: every inference endpoint answers (its health route) and, for
+OpenAI-compatible servers (`openai.server_type` openai/vllm), lists `openai.model_name`; `env.tokenizer_name` is either an
+existing local directory with tokenizer files or a hub id (a path-like value
+that does not exist is an error, and in offline mode a hub id must be in the
+local Hugging Face cache); the store root is writable; in serve mode the
+batching API answers. Retries are for transient faults during a run: a
+setting that is wrong at start is reported once, not retried for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class PreflightError(RuntimeError):
+    """A setting that cannot work; `str()` is one line: the setting, its value and why."""
+
+    def __init__(self, setting: str, value: Any, reason: str) -> None:
+        self.setting, self.value, self.reason = setting, value, reason
+        super().__init__(f"preflight: {setting}={value!r}: {reason}")
+
+
+def _offline() -> bool:
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether a model/tokenizer reference means a local directory rather than a hub id ('org/name')."""
+    if value.startswith(("/", "./", "../", "~", ".\\")) or "\\" in value or value.endswith("/"):
+        return True
+    if value.count("/") >= 2 or Path(value).exists():
+        return True
+    # 'models/starter-policy' names a local dir when ./models exists; a hub org is never also a local dir here.
+    return "/" in value and Path(value.split("/", 1)[0]).is_dir()
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:  # pragma: no cover - transformers always brings it
+        return False
+    return (Path(HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
+def check_model_ref(setting: str, value: str, *, needs: tuple[str, ...] = TOKENIZER_FILES) -> None:
+    """A local directory holding one of `needs`, or a hub id (cached, in offline mode)."""
+    if looks_like_path(value):
+        path = Path(value).expanduser()
+        if not path.exists():
+            raise PreflightError(setting, value, f"no such directory ({path.absolute()}); give the policy "
+                                 "directory or a hub id like 'org/name'")
+        if not path.is_dir():
+            raise PreflightError(setting, value, "is a file, not a model directory")
+        if needs and not any((path / name).is_file() for name in needs):
+            raise PreflightError(setting, value, f"directory has none of {', '.join(needs)}")
+        return
+    if not HUB_ID.match(value):
+        raise PreflightError(setting, value, "is neither an existing directory nor a hub id like 'org/name'")
+    if _offline() and not _in_hf_cache(value):
+        raise PreflightError(setting, value, "is a hub id that is not in the local Hugging Face cache and "
+                             "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set; give a local directory or download it first")
+
+
+def check_store_writable(setting: str, root: str) -> None:
+    """The store root can be created and written (a temp file is written, fsynced and removed)."""
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".preflight-", dir=path)
+        try:
+            os.write(fd, b"ok")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as error:
+        raise PreflightError(setting, root, f"not writable ({type(error).__name__}: {error.strerror or error})") from None
+
+
+def _served_models(data: Any) -> list[str]:
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        return [str(m.get("id")) for m in data["data"] if isinstance(m, dict)]
+    return []
+
+
+def check_endpoint(url: str, *, server_type: str = "sglang", model_name: str = "default", timeout: float = 5.0,
+                   headers: dict[str, str] | None = None, setting: str = "openai.base_url") -> None:
+    """One inference endpoint answers its health route and, if a model name is set, serves that model."""
+    from factory.inference.endpoints import endpoint_root
+
+    root = endpoint_root(url)
+    with httpx.Client(timeout=timeout, headers=headers) as http:
+        try:
+            if server_type == "sglang":
+                health = http.get(f"{root}/health")
+                if health.status_code != 200:
+                    raise PreflightError(setting, url, f"{root}/health answers HTTP {health.status_code}; "
+                                         "is the inference server still starting?")
+            models = http.get(f"{root}/v1/models")
+        except httpx.HTTPError as error:
+            raise PreflightError(setting, url, f"not reachable ({type(error).__name__}: {error or 'no answer'} "
+                                 f"within {timeout:g}s); start the inference server or fix the URL") from None
+    if server_type != "sglang" and models.status_code != 200:
+        raise PreflightError(setting, url, f"{root}/v1/models answers HTTP {models.status_code}")
+    # SGLang's /generate ignores the model name; OpenAI-compatible servers (vLLM) refuse a name they don't serve.
+    if server_type != "sglang" and model_name != "default":
+        served = _served_models(models.json())
+        if served and model_name not in served:
+            raise PreflightError("openai.model_name", model_name, f"not served by {root} (it serves {', '.join(served)})")
+
+
+def check_api(setting: str, url: str, *, timeout: float = 5.0) -> None:
+    """The batching API answers GET /info."""
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/info", timeout=timeout)
+    except httpx.HTTPError as error:
+        raise PreflightError(setting, url, f"batching API not reachable ({type(error).__name__}); start "
+                             "`run-api` or fix the URL") from None
+    if response.status_code >= 500 or response.status_code == 404:
+        raise PreflightError(setting, url, f"{url.rstrip('/')}/info answers HTTP {response.status_code}; "
+                             "is this the batching API?")
+
+
+def _with_wait(check: Any, wait_s: float) -> None:
+    """Run `check` until it passes or `wait_s` seconds have passed (0: once); re-raise the last PreflightError."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return check()
+        except PreflightError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(1.0)
+
+
+def preflight(cfg: Any, *, mode: str = "process", wait_s: float = 0.0, timeout: float = 5.0) -> None:
+    """Check a datagen JobConfig before any work; raises the first PreflightError found.
+
+    Endpoints are checked last so the cheap local checks answer first; with `wait_s` > 0 unreachable
+    endpoints/APIs are polled that long (servers still starting on a cluster) before failing.
+    """
+    d, env, openai = cfg.datagen, cfg.env, cfg.openai
+    check_store_writable("datagen.store_root", d.store_root)
+    sampling_api = getattr(d, "sampling_api", "auto")
+    generate = sampling_api == "generate" or (sampling_api == "auto" and openai.server_type == "sglang")
+    if env.tokenizer_name:
+        check_model_ref("env.tokenizer_name", env.tokenizer_name)
+    elif generate:
+        raise PreflightError("env.tokenizer_name", None, "token in/out sampling (/generate) needs the policy's "
+                             "tokenizer; set it to the policy directory or hub id")
+    headers = {"Authorization": f"Bearer {openai.api_key}"}
+    for url in openai.urls:
+        _with_wait(lambda url=url: check_endpoint(url, server_type=openai.server_type, model_name=openai.model_name,
+                                                  timeout=timeout, headers=headers), wait_s)
+    if mode == "serve" and cfg.serve.api_url:
+        _with_wait(lambda: check_api("serve.api_url", cfg.serve.api_url, timeout=timeout), wait_s)

@@ -1,0 +1,293 @@
+"""Posted ScoredData bodies straight into Arrow rows, taking what Atropos's run-api takes.
+
+The hot ingest path does not build pydantic models: msgspec decodes the body
+into small typed structs (numeric lists as Python lists, the free-form JSON
+fields as their raw JSON text, stored verbatim), and the numeric lists go to
+Arrow buffers in one pass per column. Types are checked as Atropos's
+`ScoredData` checks them (lax: "3" is a number, as pydantic's lax mode has
+it); lengths are not: `masks`, `advantages`, `ref_logprobs`,
+`inference_logprobs`, `messages`, `overrides`, ... whose lengths don't match
+`tokens` are stored as sent and counted per field ("unaligned"), unless the
+service runs with `strict`, which refuses them with a 422 naming the field.
+
+Identity: a group is deduplicated only by an identity the client gives, its
+`group_id` or the request's `Idempotency-Key` header (`<key>` for
+/scored_data, `<key>:<index>` for /scored_data_list); a group without one gets
+a fresh id and is always stored, however similar to another it is.
+"""
+
+from __future__ import annotations
+
+import array
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from factory.schema import GROUP_SCHEMA
+
+_NULL = msgspec.Raw(b"null")
+JSON_TEXT_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
+# Per-sequence fields whose length (and per-token length) Atropos does not check against `tokens`.
+SEQUENCE_FIELDS = ("masks", "scores", "advantages", "ref_logprobs", "inference_logprobs", "messages", "overrides",
+                   "distill_token_ids", "distill_logprobs")
+TOKEN_FIELDS = ("masks", "advantages", "ref_logprobs", "inference_logprobs", "distill_token_ids", "distill_logprobs")
+
+
+class WireGroup(msgspec.Struct):
+    """Atropos's ScoredData (unknown keys ignored, as Atropos does) plus the factory's optional metadata."""
+
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    scores: list[float]
+    advantages: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    messages: msgspec.Raw = _NULL
+    generation_params: msgspec.Raw = _NULL
+    inference_logprobs: list[list[float]] | None = None
+    overrides: msgspec.Raw = _NULL
+    group_overrides: msgspec.Raw = _NULL
+    images: msgspec.Raw = _NULL
+    env_id: int | None = None
+    distill_token_ids: list[list[list[int]]] | None = None
+    distill_logprobs: list[list[list[float]]] | None = None
+    group_id: str | None = None
+    env: str | None = None
+    item_key: str | None = None
+    policy_version: int | None = None
+
+
+_ONE = msgspec.json.Decoder(WireGroup, strict=False)
+_MANY = msgspec.json.Decoder(list[WireGroup], strict=False)
+
+
+class WireError(ValueError):
+    """A body Atropos would refuse too: `detail` is FastAPI-style 422 detail naming the field."""
+
+    def __init__(self, detail: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in detail))
+        self.detail = detail
+
+
+@dataclass
+class WireGroups:
+    """Decoded groups of one request, their identities and per-field unaligned counts."""
+
+    groups: list[WireGroup]
+    ids: list[str]
+    identified: list[bool]
+    unaligned: Counter[str] = field(default_factory=Counter)
+    unaligned_by_group: list[list[str]] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    env_ids: list[int | None] = field(default_factory=list)
+    envs: list[str | None] = field(default_factory=list)
+    """Env names the client gave (None: the service names them from env_id)."""
+    versions: list[int | None] = field(default_factory=list)
+    """Policy versions the client gave (None: the service's current step)."""
+    rows: pa.RecordBatch | None = None
+    """With `build=True`: every group as GROUP_SCHEMA rows (env '' and version 0 where not given); `groups` is then empty."""
+
+
+def _problem(kind: str, loc: list[Any], msg: str) -> dict[str, Any]:
+    return {"type": kind, "loc": ["body", *loc], "msg": msg}
+
+
+def _msgspec_loc(message: str) -> list[Any]:
+    """`... - at `$[3].tokens[0]`` as ['3', 'tokens', 0]-style loc parts."""
+    missing = message.split("missing required field `", 1)[1].split("`", 1)[0] if "missing required field `" in message else None
+    if "- at `$" not in message:
+        return [missing] if missing else []
+    path = message.rsplit("- at `$", 1)[1].rstrip("`")
+    parts: list[Any] = []
+    for piece in path.replace("[", ".[").split("."):
+        if not piece:
+            continue
+        parts.append(int(piece[1:-1]) if piece.startswith("[") and piece[1:-1].isdigit() else piece)
+    return [*parts, missing] if missing else parts
+
+
+def _check_json_fields(group: WireGroup, loc: list[Any], problems: list[dict[str, Any]]) -> None:
+    """Atropos's checks of the free-form fields: types, and 'role'/'content' on every message."""
+    expected = {"messages": list, "generation_params": dict, "overrides": list, "group_overrides": dict}
+    for name, kind in expected.items():
+        raw = getattr(group, name)
+        if raw == _NULL:
+            continue
+        value = orjson.loads(bytes(raw))
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            problems.append(_problem(f"{kind.__name__}_type", [*loc, name], f"{name} must be a JSON {'list' if kind is list else 'object'} or null"))
+            continue
+        if name == "messages":
+            for i, conversation in enumerate(value):
+                if not isinstance(conversation, list):
+                    problems.append(_problem("list_type", [*loc, name, i], f"messages[{i}] must be a list of messages"))
+                    continue
+                for j, message in enumerate(conversation):
+                    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                        problems.append(_problem("value_error", [*loc, name, i, j], f"messages[{i}][{j}] needs 'role' and 'content' keys"))
+        if name == "overrides" and not all(isinstance(item, dict) for item in value):
+            problems.append(_problem("dict_type", [*loc, name], "overrides must be a list of objects"))
+
+
+def _json_len(raw: msgspec.Raw) -> int | None:
+    if raw == _NULL:
+        return None
+    value = orjson.loads(bytes(raw))
+    return len(value) if isinstance(value, list) else None
+
+
+def unaligned_fields(group: WireGroup) -> list[str]:
+    """Fields whose lengths don't match `tokens` (per sequence, or per token), in SEQUENCE_FIELDS order."""
+    size = len(group.tokens)
+    lengths = [len(sequence) for sequence in group.tokens]
+    found = []
+    for name in SEQUENCE_FIELDS:
+        if name in JSON_TEXT_FIELDS:
+            if (n := _json_len(getattr(group, name))) is not None and n != size:
+                found.append(name)
+            continue
+        value = getattr(group, name)
+        if value is None:
+            continue
+        if len(value) != size or (name in TOKEN_FIELDS and any(len(v) != n for v, n in zip(value, lengths))):
+            found.append(name)
+    return found
+
+
+def decode_groups(
+    body: bytes, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False, run_id: str = ""
+) -> WireGroups:
+    """Decode and check a /scored_data (one object) or /scored_data_list (a list) body; raises WireError.
+
+    With `build`, the groups are also turned into Arrow rows (`rows`) and the decoded Python lists are dropped,
+    all in the caller's thread (the API calls this in a worker thread).
+    """
+    try:
+        groups = _MANY.decode(body) if many else [_ONE.decode(body)]
+    except msgspec.ValidationError as error:
+        message = str(error)
+        return _raise([_problem("type_error", _msgspec_loc(message), message.split(" - at ")[0])])
+    except msgspec.DecodeError as error:
+        return _raise([_problem("json_invalid", [], f"body is not valid JSON: {error}")])
+    problems: list[dict[str, Any]] = []
+    unaligned: Counter[str] = Counter()
+    ids, identified, by_group = [], [], []
+    for index, group in enumerate(groups):
+        loc: list[Any] = [index] if many else []
+        if not group.tokens:
+            problems.append(_problem("too_short", [*loc, "tokens"], "tokens: a group needs at least one sequence"))
+        if group.policy_version is not None and group.policy_version < 0:
+            problems.append(_problem("greater_than_equal", [*loc, "policy_version"], "policy_version must be >= 0"))
+        try:
+            _check_json_fields(group, loc, problems)
+        except orjson.JSONDecodeError as error:  # pragma: no cover - msgspec already checked the JSON
+            problems.append(_problem("json_invalid", loc, str(error)))
+        misfits = unaligned_fields(group)
+        by_group.append(misfits)
+        for name in misfits:
+            if strict:
+                problems.append(_problem("unaligned", [*loc, name], f"{name} does not line up with tokens (the service runs with strict)"))
+            unaligned[name] += 1
+        if group.group_id:
+            ids.append(group.group_id)
+            identified.append(True)
+        elif idempotency_key:
+            ids.append(f"{idempotency_key}:{index}" if many else idempotency_key)
+            identified.append(True)
+        else:
+            ids.append(uuid.uuid4().hex)
+            identified.append(False)
+    if problems:
+        _raise(problems)
+    parsed = WireGroups(
+        groups, ids, identified, unaligned, by_group,
+        sizes=[len(g.tokens) for g in groups], env_ids=[g.env_id for g in groups],
+        envs=[g.env or None for g in groups], versions=[g.policy_version for g in groups],
+    )
+    if build:
+        parsed.rows = to_record_batch(groups, ids, run_id=run_id, envs=[g.env or "" for g in groups],
+                                      versions=[g.policy_version or 0 for g in groups])
+        parsed.groups = []
+    return parsed
+
+
+def _raise(problems: list[dict[str, Any]]) -> Any:
+    raise WireError(problems)
+
+
+def _offsets(lengths: list[int]) -> pa.Array:
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return pa.array(out)
+
+
+def _list_2d(rows: list[list[list[Any]] | None], value_type: pa.DataType) -> pa.Array:
+    """list<list<value_type>> from per-group lists of sequences (None rows are null), via flat buffers."""
+    present = [row if row is not None else [] for row in rows]
+    sequences = [sequence for row in present for sequence in row]
+    if value_type == pa.int32():
+        # array.fromlist per sequence is ~2x faster than pyarrow's conversion of Python ints (and checks the range).
+        flat = array.array("i")
+        for sequence in sequences:
+            flat.fromlist(sequence)
+        values = pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat)])
+        inner = pa.ListArray.from_arrays(_offsets([len(s) for s in sequences]), values)
+    else:
+        inner = pa.array(sequences, type=pa.list_(value_type))
+    mask = pa.array([row is None for row in rows]) if any(row is None for row in rows) else None
+    return pa.ListArray.from_arrays(_offsets([len(row) for row in present]), inner, mask=mask)
+
+
+def _text(raw: msgspec.Raw) -> str | None:
+    return None if raw == _NULL else bytes(raw).decode()
+
+
+def to_record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs: list[str], versions: list[int]) -> pa.RecordBatch:
+    """Rows of GROUP_SCHEMA for decoded groups (env names and policy versions already resolved)."""
+    try:
+        return _record_batch(groups, ids, run_id=run_id, envs=envs, versions=versions)
+    except (pa.ArrowInvalid, OverflowError, TypeError) as error:
+        return _raise([_problem("value_error", [], f"a numeric field is out of range for the store: {error}")])
+
+
+def _record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs: list[str], versions: list[int]) -> pa.RecordBatch:
+    now = datetime.now(timezone.utc)
+    columns: dict[str, pa.Array] = {
+        "group_id": pa.array(ids, pa.string()),
+        "run_id": pa.array([run_id] * len(groups), pa.string()),
+        "env": pa.array(envs, pa.string()),
+        "item_key": pa.array([g.item_key or "" for g in groups], pa.string()),
+        "policy_version": pa.array(versions, pa.int64()),
+        "created_at": pa.array([now] * len(groups), pa.timestamp("us", tz="UTC")),
+        "group_size": pa.array([len(g.tokens) for g in groups], pa.int32()),
+        "tokens": _list_2d([g.tokens for g in groups], pa.int32()),
+        "masks": _list_2d([g.masks for g in groups], pa.int32()),
+        "scores": pa.array([g.scores for g in groups], pa.list_(pa.float64())),
+        "env_id": pa.array([g.env_id for g in groups], pa.int64()),
+    }
+    for name in ("advantages", "ref_logprobs", "inference_logprobs"):
+        columns[name] = _list_2d([getattr(g, name) for g in groups], pa.float64())
+    for name in JSON_TEXT_FIELDS:
+        columns[name] = pa.array([_text(getattr(g, name)) for g in groups], pa.large_string())
+    for name in ("distill_token_ids", "distill_logprobs"):
+        columns[name] = pa.array([getattr(g, name) for g in groups], GROUP_SCHEMA.field(name).type)
+    columns["difficulty"] = pa.nulls(len(groups), pa.int32())  # a factory-only field; Atropos envs never send it
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in GROUP_SCHEMA], schema=GROUP_SCHEMA)
+
+
+def stamp(rows: pa.RecordBatch, keep: list[int], envs: list[str], versions: list[int]) -> pa.RecordBatch:
+    """Rows `keep` of `rows`, with the env names and policy versions the service resolved."""
+    if len(keep) != rows.num_rows:
+        rows = rows.take(pa.array(keep, pa.int64()))
+    columns = list(rows.columns)
+    columns[rows.schema.get_field_index("env")] = pa.array(envs, pa.string())
+    columns[rows.schema.get_field_index("policy_version")] = pa.array(versions, pa.int64())
+    return pa.RecordBatch.from_arrays(columns, schema=rows.schema)

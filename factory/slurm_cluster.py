@@ -1,0 +1,295 @@
+"""Dask workers as SLURM jobs (dask-jobqueue): what each job asks for, what it runs first, how jobs are found again.
+
+Plain code, no Prefect: `blocks/slurm.py` stores a `SlurmClusterSpec` as a
+block and turns it into a `DaskTaskRunner`; tests call these functions
+directly. Each worker job is named `<job_name>-<run id>`, so the jobs of one
+run can be listed (`squeue --name`) and cancelled (`scancel --name`) even by a
+process that did not submit them, e.g. after the flow that did was killed.
+Every job logs to `<log_dir>/<job id>/worker.log` (the prologue's output, the
+Dask worker, the node-local inference server if any) and SLURM's own messages
+(time limit, cancellation, out of memory) to `<log_dir>/slurm-<job id>.out`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from factory.config import FactoryConfig
+
+logger = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the flow runs from; worker jobs import the project from here unless `project_dir` says otherwise."""
+
+
+class SlurmClusterSpec(FactoryConfig):
+    """One kind of Dask worker job on SLURM and how many of them the cluster may run."""
+
+    job_name: str = Field("factory-datagen", description="SLURM job name prefix; jobs are named '<prefix>-<run id>'.")
+    cores: int = Field(1, ge=1, description="CPU cores per job (split over `processes` Dask worker processes).")
+    memory: str = Field("4GB", description="Memory per job (Dask's notation, e.g. '16GB'); --mem and the worker limit.")
+    processes: int = Field(1, ge=1, description="Dask worker processes per job.")
+    walltime: str = Field("04:00:00", description="SLURM --time per job.")
+    partition: str | None = Field(None, description="SLURM partition (-p).")
+    account: str | None = Field(None, description="SLURM account (-A).")
+    qos: str | None = Field(None, description="SLURM QOS (--qos).")
+    extra_directives: list[str] = Field(default_factory=list,
+                                        description="More '#SBATCH' options, e.g. '--gpus-per-node=8', '--exclusive'.")
+    prologue: list[str] = Field(default_factory=list,
+                                description="Shell lines run in each job before the worker (modules, venv, a server).")
+    environment: dict[str, str] = Field(default_factory=dict, description="Variables exported in each job.")
+    project_dir: str | None = Field(None, description="Checkout the workers import (a shared path); default: the flow's.")
+    python: str | None = Field(None, description="Python on the nodes; default: the flow's interpreter.")
+    interface: str | None = Field(None, description="Network interface of scheduler and workers (e.g. 'ib0').")
+    prefect_api_url: str | None = Field(None, description="PREFECT_API_URL the workers report to; default: the flow's.")
+    log_dir: str = Field("logs", description="Job logs: <log_dir>/<job id>/worker.log and <log_dir>/slurm-<job id>.out.")
+    local_directory: str | None = Field(None, description="Dask worker scratch directory (node-local disk).")
+    min_jobs: int = Field(1, ge=0, description="Jobs the adaptive cluster keeps even when idle.")
+    max_jobs: int = Field(4, ge=1, description="Most jobs the adaptive cluster runs at once.")
+    worker_lifetime: str | None = Field(
+        None, description="Workers leave after this long (e.g. '55m' under a 1 h walltime) and the cluster submits "
+                          "replacements, so running tasks are not killed by the walltime.")
+    lifetime_stagger: str = Field("4m", description="Random spread of worker_lifetime, so workers do not leave at once.")
+    node_server_command: str | None = Field(
+        None, description="Inference server each job starts on its node before the worker ({port} is a free port), "
+                          "e.g. SGLang on GPU nodes; tasks with openai.base_url http://node-local/v1 sample from it.")
+    node_server_timeout_s: int = Field(1800, ge=1, description="Seconds the prologue waits for the node server's /health.")
+    death_timeout_s: int = Field(120, ge=1, description="A worker that cannot reach the scheduler this long exits "
+                                                         "(its job ends: no orphaned jobs after the flow dies).")
+
+    @field_validator("extra_directives")
+    @classmethod
+    def _options(cls, value: list[str]) -> list[str]:
+        for option in value:
+            if not option.startswith("-"):
+                raise ValueError(f"extra_directives entry {option!r} must be an sbatch option such as '--exclusive'")
+        return value
+
+    @field_validator("max_jobs")
+    @classmethod
+    def _max_jobs(cls, value: int, info: Any) -> int:
+        minimum = info.data.get("min_jobs", 0)
+        if value < minimum:
+            raise ValueError(f"max_jobs ({value}) is below min_jobs ({minimum}); raise max_jobs or lower min_jobs")
+        return value
+
+
+def run_job_name(prefix: str, run_id: str | None) -> str:
+    """`<prefix>-<run id>` with characters SLURM and shells handle everywhere ([A-Za-z0-9_.-])."""
+    name = f"{prefix}-{run_id}" if run_id else prefix
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:120]
+
+
+def prologue_lines(spec: SlurmClusterSpec, *, log_dir: Path, project_dir: Path, api_url: str | None) -> list[str]:
+    """Shell lines before the worker: per-job log directory, project on PYTHONPATH, environment, user lines."""
+    lines = [
+        f"mkdir -p {shlex.quote(str(log_dir))}/$SLURM_JOB_ID",
+        f"exec >>{shlex.quote(str(log_dir))}/$SLURM_JOB_ID/worker.log 2>&1",
+        'echo "factory worker job $SLURM_JOB_ID on $(hostname) at $(date -u +%FT%TZ)"',
+        f"export FACTORY_JOB_LOG_DIR={shlex.quote(str(log_dir))}/$SLURM_JOB_ID",
+        f"cd {shlex.quote(str(project_dir))}",
+        f'export PYTHONPATH={shlex.quote(str(project_dir))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+    ]
+    if api_url:
+        lines.append(f"export PREFECT_API_URL={shlex.quote(api_url)}")
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in spec.environment.items()]
+    lines += list(spec.prologue)
+    if spec.node_server_command:
+        lines += node_server_lines(spec.node_server_command, spec.python or sys.executable, spec.node_server_timeout_s)
+    return lines
+
+
+NODE_ENDPOINT_VAR = "FACTORY_NODE_ENDPOINT"
+"""Set in a worker job to the URL of the inference server its prologue started on the node."""
+
+
+def node_server_lines(command: str, python: str, timeout_s: int) -> list[str]:
+    """Start `command` on a free port in the background, wait for /health, export its URL; stop it when the job ends.
+
+    A server that exits or stays unhealthy ends the job with its log's tail in worker.log (the cluster then
+    submits another job), so no worker ever takes tasks without its server.
+    """
+    py = shlex.quote(python)
+    try:
+        server = command.format(port="$FACTORY_NODE_PORT")
+    except (KeyError, IndexError) as error:
+        raise ValueError(f"node_server_command {command!r} uses an unknown placeholder {error}; only {{port}}") from None
+    return [
+        f'FACTORY_NODE_PORT=$({py} -c "import socket; s = socket.socket(); s.bind((\'\', 0)); '
+        f'print(s.getsockname()[1])")',
+        f"{server} >$FACTORY_JOB_LOG_DIR/server.log 2>&1 &",
+        "FACTORY_NODE_SERVER_PID=$!",
+        "trap 'kill $FACTORY_NODE_SERVER_PID 2>/dev/null' EXIT",
+        f'export {NODE_ENDPOINT_VAR}="http://$(hostname):$FACTORY_NODE_PORT"',
+        f"{py} -m factory.slurm_cluster wait-healthy ${NODE_ENDPOINT_VAR} --pid $FACTORY_NODE_SERVER_PID "
+        f"--timeout {timeout_s} --log $FACTORY_JOB_LOG_DIR/server.log || exit 1",
+    ]
+
+
+def wait_healthy(url: str, *, pid: int | None, timeout_s: float, log: str | None = None) -> str | None:
+    """None once `url`/health answers 200; else why not (the server process exited, or the time ran out)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pid is not None and not Path(f"/proc/{pid}").exists():
+            reason = f"node inference server (pid {pid}) exited before {url} was healthy"
+            break
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        reason = f"node inference server not healthy at {url} within {timeout_s:.0f} s"
+    tail = Path(log).read_text(errors="replace")[-2000:] if log and Path(log).is_file() else "(no log)"
+    return f"{reason}; last lines of {log}:\n{tail}"
+
+
+NODE_LOCAL_HOST = "node-local"
+"""Host name in openai.base_url that stands for the worker's own node server: `http://node-local/v1`."""
+
+
+def resolve_node_local(base_url: str | list[str]) -> str | list[str]:
+    """Point `http://node-local/...` URLs at this worker's node server (FACTORY_NODE_ENDPOINT); others unchanged."""
+    from urllib.parse import urlsplit
+
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not any(urlsplit(url).netloc == NODE_LOCAL_HOST for url in urls):
+        return base_url
+    endpoint = os.environ.get(NODE_ENDPOINT_VAR)
+    if not endpoint:
+        raise RuntimeError(f"openai.base_url names http://{NODE_LOCAL_HOST} but this worker (host "
+                           f"{socket.gethostname()}) has no {NODE_ENDPOINT_VAR}: set node_server_command in the "
+                           "SLURM cluster block, or give the endpoints' URLs")
+    resolved = [endpoint.rstrip("/") + urlsplit(url).path if urlsplit(url).netloc == NODE_LOCAL_HOST else url
+                for url in urls]
+    return resolved[0] if isinstance(base_url, str) else resolved
+
+
+def cluster_kwargs(spec: SlurmClusterSpec, *, run_id: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of `dask_jobqueue.SLURMCluster` for `spec`, with jobs named for `run_id`."""
+    log_dir = Path(spec.log_dir).absolute()
+    log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create it, and a job without its --output fails
+    project_dir = Path(spec.project_dir or PROJECT_ROOT).absolute()
+    api_url = spec.prefect_api_url or os.environ.get("PREFECT_API_URL")
+    directives = [f"--output={log_dir}/slurm-%j.out"]
+    if spec.qos:
+        directives.append(f"--qos={spec.qos}")
+    worker_args = []
+    if spec.worker_lifetime:
+        worker_args = ["--lifetime", spec.worker_lifetime, "--lifetime-stagger", spec.lifetime_stagger]
+    kwargs: dict[str, Any] = {
+        "job_name": run_job_name(spec.job_name, run_id),
+        "cores": spec.cores,
+        "memory": spec.memory,
+        "processes": spec.processes,
+        "walltime": spec.walltime,
+        "queue": spec.partition,
+        "account": spec.account,
+        "job_extra_directives": directives + list(spec.extra_directives),
+        "job_script_prologue": prologue_lines(spec, log_dir=log_dir, project_dir=project_dir, api_url=api_url),
+        "worker_extra_args": worker_args,
+        "python": spec.python or sys.executable,
+        "death_timeout": spec.death_timeout_s,
+        "scheduler_options": {"dashboard_address": ":0"},  # a free port: several runs on one head node
+    }
+    if spec.interface:
+        kwargs["interface"] = spec.interface
+    if spec.local_directory:
+        kwargs["local_directory"] = spec.local_directory
+    return kwargs
+
+
+def adapt_kwargs(spec: SlurmClusterSpec) -> dict[str, int]:
+    """`JobQueueCluster.adapt` bounds in jobs: lost or expired jobs are replaced up to `max_jobs`."""
+    return {"minimum_jobs": spec.min_jobs, "maximum_jobs": spec.max_jobs}
+
+
+def job_script(spec: SlurmClusterSpec, *, run_id: str | None = None) -> str:
+    """The sbatch script dask-jobqueue would submit for `spec` (for review; starts a scheduler briefly)."""
+    from dask_jobqueue import SLURMCluster
+
+    with SLURMCluster(**cluster_kwargs(spec, run_id=run_id)) as cluster:
+        return cluster.job_script()
+
+
+def worker_identity() -> dict[str, Any]:
+    """Where this process runs: host, SLURM job id (None outside SLURM) and pid, recorded in chunk stats."""
+    return {"host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid()}
+
+
+def _user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+def _squeue_names(name: str) -> list[str]:
+    done = subprocess.run(["squeue", "-h", "--name", name, "--user", _user(), "-o", "%i"], capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"squeue failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+    return done.stdout.split()
+
+
+def jobs_named(name: str) -> list[str]:
+    """Ids of this user's queued or running jobs called `name` (empty without SLURM)."""
+    if shutil.which("squeue") is None:
+        return []
+    return _squeue_names(name)
+
+
+def cancel_jobs_named(name: str) -> list[str]:
+    """Cancel every job called `name` (e.g. left by a killed flow of the same run); returns their ids."""
+    jobs = jobs_named(name)
+    if jobs:
+        done = subprocess.run(["scancel", "--name", name, "--user", _user()], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"scancel --name {name} failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+        logger.warning("cancelled %d SLURM job(s) named %s left by an earlier run: %s", len(jobs), name,
+                       ", ".join(jobs))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m factory.slurm_cluster wait-healthy URL --pid P --timeout S` (job prologues) and `cancel NAME`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Helpers for factory worker jobs on SLURM.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    wait = commands.add_parser("wait-healthy", help="wait until URL/health answers (a node server in a prologue)")
+    wait.add_argument("url")
+    wait.add_argument("--pid", type=int, default=None, help="give up when this process exits")
+    wait.add_argument("--timeout", type=float, default=1800.0)
+    wait.add_argument("--log", default=None, help="log whose tail is printed on failure")
+    cancel = commands.add_parser("cancel", help="cancel this user's jobs called NAME (e.g. factory-datagen-<run id>)")
+    cancel.add_argument("name")
+    args = parser.parse_args(argv)
+    if args.command == "cancel":
+        print(" ".join(cancel_jobs_named(args.name)) or f"no jobs named {args.name}")
+        return 0
+    problem = wait_healthy(args.url, pid=args.pid, timeout_s=args.timeout, log=args.log)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    print(f"node inference server healthy at {args.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from factory.viewer.cli import main
+
+main()

@@ -1,0 +1,430 @@
+"""A per-run index of groups for the viewer: one small row per group, grown shard by shard as the commit log grows.
+
+The index holds what filters and plots need (env, task family, difficulty,
+policy version, scores, sequence lengths) and where each group lives (shard,
+row), never tokens or text: about 150 bytes per group of 8. A refresh stats
+the commit log and, when it grew, reads only the new lines and indexes only
+the new shards (columns `group_id env item_key policy_version created_at
+scores tokens`, the last one only for its list lengths). A shard whose size
+differs from the commit log, or whose pages fail their checksums, is left out
+and listed in `problems`.
+
+Task family and difficulty come from a `difficulty` column when the shard has
+one, else from InternBootcamp-style item keys `family:difficulty:seed`; other
+keys have family = env and no difficulty.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from factory.store import CommitRecord, ShardStore
+from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
+from factory.viewer.query import Filters
+
+logger = logging.getLogger(__name__)
+
+INDEX_COLUMNS = ["group_id", "env", "item_key", "policy_version", "created_at", "scores", "tokens"]
+TRAIN_METRICS_PATHS = ("train/metrics.jsonl", "metrics.jsonl")
+"""Where a run's trainer metrics are looked up, relative to `<store>/<run>/`, first found wins."""
+_CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
+_RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
+
+
+def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
+    """The index rows of one shard: reads the small columns and the tokens column's list lengths."""
+    parquet = pq.ParquetFile(path, page_checksum_verification=True)
+    names = set(parquet.schema_arrow.names)
+    columns = INDEX_COLUMNS + (["difficulty"] if "difficulty" in names else [])
+    table = parquet.read(columns=columns)
+    tokens = table.column("tokens").combine_chunks() if table.num_rows else pa.array([], type=table.schema.field("tokens").type)
+    sequence_lengths = pc.list_value_length(tokens.flatten()).cast(pa.int32())
+    lengths = pa.ListArray.from_arrays(pc.subtract(tokens.offsets, tokens.offsets[0]) if len(tokens) else pa.array([0], pa.int32()),
+                                       sequence_lengths)
+    frame = pl.from_arrow(table.drop_columns(["tokens"]).append_column("lengths", lengths))
+    assert isinstance(frame, pl.DataFrame)
+    parts = pl.col("item_key").str.split(":")
+    parsed_difficulty = (
+        pl.when(parts.list.len() == 3).then(parts.list.get(1, null_on_oob=True).cast(pl.Int32, strict=False)).otherwise(None)
+    )
+    difficulty = (pl.col("difficulty").cast(pl.Int32, strict=False).fill_null(parsed_difficulty)
+                  if "difficulty" in names else parsed_difficulty)
+    return frame.select(
+        pl.lit(shard_id, dtype=pl.UInt32).alias("shard"),
+        pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"),
+        "group_id", "env", "item_key",
+        pl.when(parts.list.len() >= 2).then(parts.list.first()).otherwise(pl.col("env")).alias("family"),
+        difficulty.alias("difficulty"),
+        "policy_version", "created_at", "scores", "lengths",
+        pl.col("scores").list.len().cast(pl.Int32).alias("group_size"),
+        pl.col("scores").list.mean().alias("score_mean"),
+        pl.col("scores").list.min().alias("score_min"),
+        pl.col("scores").list.max().alias("score_max"),
+        pl.col("lengths").list.mean().alias("length_mean"),
+    )
+
+
+@dataclass
+class ShardEntry:
+    """A committed shard the index knows about."""
+
+    shard_id: int
+    record: CommitRecord
+    path: Path
+    rows: int
+    row_group_starts: list[int] | None = None
+    """First row of each Parquet row group (filled on first payload read)."""
+
+
+class RunIndex:
+    """The live index of one run; `refresh()` is cheap when the commit log has not changed."""
+
+    def __init__(self, store: ShardStore, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.run_dir = store.run_dir(run_id)
+        self.shards: dict[str, ShardEntry] = {}
+        self.by_id: list[ShardEntry] = []
+        self.problems: dict[str, str] = {}
+        self._frames: dict[str, pl.DataFrame] = {}
+        self._columns_of: dict[str, ShardColumns] = {}
+        self._frame: pl.DataFrame | None = None
+        self._columns: Columns | None = None
+        self._envs, self._families = Codes(), Codes()
+        self._columns_built: tuple[list[str], Columns | None] = ([], None)
+        self._log_key: tuple[int, int] | None = None
+        self._log_inode: int | None = None
+        self._log_offset = 0
+        self._seq = 0
+        self._order: dict[str, int] = {}
+        self._pending: dict[str, CommitRecord] = {}
+        self._stats_key: tuple[tuple[str, int], ...] = ()
+        self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
+        self.run_stats: dict[str, dict[str, Any]] = {}
+        self._metrics_key: tuple[str, int, int] | None = None
+        self._metrics: list[dict[str, Any]] = []
+        self.lock = threading.RLock()
+
+    # ---- keeping up with the commit log ----
+    def refresh(self, budget_s: float | None = None) -> int:
+        """Read new commit-log lines and index pending shards, newest first; returns how many groups were added.
+
+        With `budget_s`, indexing stops once that many seconds have passed
+        (at least one shard is indexed per call) and the rest stay `pending`,
+        so a page of a huge, never-seen run answers at once; call again (the
+        viewer does, from a background thread) to index the rest.
+        """
+        started = time.monotonic()
+        with self.lock:
+            self._read_log()
+            added = indexed = 0
+            while self._pending:
+                if budget_s is not None and indexed and time.monotonic() - started > budget_s:
+                    break
+                name = next(reversed(self._pending))
+                record = self._pending.pop(name)
+                added += self._add(record)
+                indexed += 1
+                self._frame = self._columns = None
+            self._refresh_stats()
+            return added
+
+    @property
+    def pending(self) -> int:
+        """Committed shards not indexed yet."""
+        return len(self._pending)
+
+    def _read_log(self) -> None:
+        log = self.store.commit_log(self.run_id)
+        try:
+            stat = log.stat()
+        except FileNotFoundError:
+            return
+        if (stat.st_ino, stat.st_size) == self._log_key:
+            return
+        if self._log_inode is not None and (stat.st_ino != self._log_inode or stat.st_size < self._log_offset):
+            self._reset()
+        self._log_inode = stat.st_ino
+        with open(log, "rb") as handle:
+            handle.seek(self._log_offset)
+            data = handle.read(stat.st_size - self._log_offset)
+        complete = data[: data.rfind(b"\n") + 1]
+        self._log_offset += len(complete)
+        self._log_key = (stat.st_ino, self._log_offset) if self._log_offset == stat.st_size else None
+        for line in complete.splitlines():
+            try:
+                record = CommitRecord(**json.loads(line))
+            except (ValueError, TypeError) as error:
+                logger.error("%s: unreadable commit record left out: %s", log, error)
+                continue
+            # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
+            self._seq += 1
+            self._order[record.shard] = self._seq
+            self._columns_of.pop(record.shard, None)
+            if self.shards.pop(record.shard, None) is not None or self._frames.pop(record.shard, None) is not None:
+                self._frame = self._columns = None
+            self._pending.pop(record.shard, None)
+            self._pending[record.shard] = record
+
+    def _reset(self) -> None:
+        self.shards.clear()
+        self.by_id.clear()
+        self.problems.clear()
+        self._frames.clear()
+        self._columns_of.clear()
+        self._columns_built = ([], None)
+        self._pending.clear()
+        self._order.clear()
+        self._frame = self._columns = None
+        self._log_offset = 0
+        self._log_key = None
+
+    def _add(self, record: CommitRecord) -> int:
+        path = self.store.shards_dir(self.run_id) / record.shard
+        self.problems.pop(str(path), None)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            self.problems[str(path)] = "missing"
+            return 0
+        if size != record.bytes:
+            self.problems[str(path)] = f"size is {size} bytes, commit log says {record.bytes}"
+            return 0
+        entry = ShardEntry(len(self.by_id), record, path, record.rows)
+        try:
+            frame = index_shard(path, entry.shard_id)
+        except (OSError, pa.ArrowException) as error:
+            self.problems[str(path)] = f"unreadable: {error}"
+            logger.error("shard %s left out of the viewer: %s", path, error)
+            return 0
+        self.by_id.append(entry)
+        self.shards[record.shard] = entry
+        self._frames[record.shard] = frame
+        self._columns_of[record.shard] = shard_columns(frame, self._envs, self._families)
+        return frame.height
+
+    def _refresh_stats(self) -> None:
+        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed."""
+        files = sorted(self.run_dir.glob("stats-*.json"))
+        key = tuple((p.name, p.stat().st_mtime_ns) for p in files if p.exists())
+        if key == self._stats_key:
+            return
+        self._stats_key = key
+        self.chunk_stats, self.run_stats = {}, {}
+        for path in files:
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if match := _CHUNK_STATS.match(path.name):
+                self.chunk_stats[(match["producer"], int(match["chunk"]))] = data
+            elif match := _RUN_STATS.match(path.name):
+                self.run_stats[match["producer"]] = data
+
+    @property
+    def frame(self) -> pl.DataFrame:
+        """All indexed groups in commit order."""
+        with self.lock:
+            if self._frame is None:
+                frames = [self._frames[name] for name in sorted(self._frames, key=self._order.__getitem__)]
+                self._frame = pl.concat(frames, how="vertical_relaxed") if frames else _EMPTY
+            return self._frame
+
+    @property
+    def columns(self) -> Columns:
+        """All indexed groups as numpy columns, in commit order (the same order as `frame`)."""
+        with self.lock:
+            if self._columns is None:
+                names = sorted(self._columns_of, key=self._order.__getitem__)
+                built, previous = self._columns_built
+                if previous is not None and names[: len(built)] == built:  # only new shards at the end
+                    extra = [(self.shards[n].shard_id, self._columns_of[n]) for n in names[len(built):]]
+                    self._columns = previous.append(Columns.concat(extra, self._envs, self._families))
+                else:
+                    self._columns = Columns.concat([(self.shards[n].shard_id, self._columns_of[n]) for n in names],
+                                                   self._envs, self._families).with_capacity()
+                self._columns_built = (names, self._columns)
+            return self._columns
+
+    # ---- what the pages ask ----
+    def select(self, filters: Filters) -> np.ndarray | None:
+        """Positions (in commit order) of the groups that pass the index-side filters; None for all."""
+        mask = self.columns.mask(filters)
+        return None if mask is None else np.flatnonzero(mask)
+
+    def filtered(self, filters: Filters) -> pl.DataFrame:
+        """The index rows that pass the index-side filters (for tests and notebooks; pages use `select`)."""
+        positions = self.select(filters)
+        return self.frame if positions is None else self.rows_at(positions)
+
+    def rows_at(self, positions: np.ndarray | list[int]) -> pl.DataFrame:
+        """Index rows at these positions, in the order given, gathered from each shard's small frame."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) == 0:
+            return self.frame.clear()
+        columns = self.columns
+        shard_ids, rows = columns.shard[positions], columns.row[positions]
+        frames_by_id = {entry.shard_id: self._frames[name] for name, entry in self.shards.items() if name in self._frames}
+        pieces, start = [], 0
+        breaks = np.flatnonzero(np.diff(shard_ids)) + 1
+        for end in [*breaks.tolist(), len(positions)]:
+            pieces.append(frames_by_id[int(shard_ids[start])][rows[start:end].tolist()])
+            start = end
+        return pl.concat(pieces, how="vertical_relaxed") if len(pieces) > 1 else pieces[0]
+
+    def drops(self) -> dict[str, Any]:
+        """Kept and dropped groups by reason: summed over chunk stats, else the producer's summary."""
+        kept, dropped, chunks = 0, {}, []
+        producers_with_chunks = {producer for producer, _ in self.chunk_stats}
+        for (producer, chunk), stats in sorted(self.chunk_stats.items()):
+            kept += int(stats.get("groups_kept", 0))
+            for reason, count in (stats.get("dropped") or {}).items():
+                dropped[reason] = dropped.get(reason, 0) + int(count)
+            chunks.append({"producer": producer, "chunk": chunk, "kept": stats.get("groups_kept"),
+                           "dropped": stats.get("dropped") or {}, "flow_run_id": stats.get("flow_run_id")})
+        for producer, stats in self.run_stats.items():
+            if producer in producers_with_chunks:
+                continue
+            kept += int(stats.get("groups_kept", 0))
+            for reason, count in (stats.get("dropped") or {}).items():
+                dropped[reason] = dropped.get(reason, 0) + int(count)
+        return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": bool(self.chunk_stats or self.run_stats)}
+
+    def flow_runs(self) -> list[dict[str, Any]]:
+        """Prefect flow runs that committed this run's chunks (from `flow_run_id` in chunk stats), with chunk counts."""
+        runs: dict[str, dict[str, Any]] = {}
+        for (producer, _chunk), stats in sorted(self.chunk_stats.items()):
+            run_id = stats.get("flow_run_id")
+            if run_id:
+                entry = runs.setdefault(str(run_id), {"id": str(run_id), "producer": producer, "chunks": 0})
+                entry["chunks"] += 1
+        for producer, stats in self.run_stats.items():
+            if (run_id := stats.get("flow_run_id")) and str(run_id) not in runs:
+                runs[str(run_id)] = {"id": str(run_id), "producer": producer, "chunks": None}
+        return list(runs.values())
+
+    def train_metrics(self) -> tuple[Path | None, list[dict[str, Any]]]:
+        """The trainer's per-step metrics (first of TRAIN_METRICS_PATHS that exists), re-read when it changes."""
+        for relative in TRAIN_METRICS_PATHS:
+            path = self.run_dir / relative
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            key = (str(path), stat.st_size, stat.st_mtime_ns)
+            if key != self._metrics_key:
+                rows = []
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(row, dict):
+                        rows.append(row)
+                self._metrics_key, self._metrics = key, rows
+            return path, self._metrics
+        return None, []
+
+    def read_table(self, shard_id: int, rows: list[int], columns: list[str]) -> pa.Table:
+        """Columns of the given rows of one shard, in the order given, reading only the row groups that hold them."""
+        entry = self.by_id[shard_id]
+        parquet = pq.ParquetFile(entry.path, page_checksum_verification=True)
+        if entry.row_group_starts is None:
+            starts, total = [], 0
+            for number in range(parquet.metadata.num_row_groups):
+                starts.append(total)
+                total += parquet.metadata.row_group(number).num_rows
+            entry.row_group_starts = starts
+        starts = entry.row_group_starts
+        groups_of_rows = [_row_group_of(starts, row) for row in rows]
+        needed = sorted(set(groups_of_rows))
+        present = [c for c in columns if c in parquet.schema_arrow.names]
+        table = parquet.read_row_groups(needed, columns=present)
+        offsets, base = {}, 0
+        for number in needed:
+            offsets[number] = base
+            base += parquet.metadata.row_group(number).num_rows
+        local = [offsets[g] + row - starts[g] for g, row in zip(groups_of_rows, rows)]
+        return table.take(pa.array(local, type=pa.int64()))
+
+    def read_rows(self, rows: pl.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
+        """Payload columns of the given index rows (shard, row) as dicts, in order, shard by shard."""
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for position, (shard_id, row) in enumerate(zip(rows["shard"].to_list(), rows["row"].to_list())):
+            wanted.setdefault(shard_id, []).append((position, row))
+        out: list[dict[str, Any]] = [{} for _ in range(rows.height)]
+        for shard_id, items in wanted.items():
+            picked = self.read_table(shard_id, [row for _, row in items], columns).to_pylist()
+            for (position, _), values in zip(items, picked):
+                out[position] = values
+        return out
+
+
+def _row_group_of(starts: list[int], row: int) -> int:
+    low, high = 0, len(starts) - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if starts[middle] <= row:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+_EMPTY = pl.DataFrame(schema={
+    "shard": pl.UInt32, "row": pl.UInt32, "group_id": pl.String, "env": pl.String, "item_key": pl.String,
+    "family": pl.String, "difficulty": pl.Int32, "policy_version": pl.Int64,
+    "created_at": pl.Datetime("us", "UTC"), "scores": pl.List(pl.Float64), "lengths": pl.List(pl.Int32),
+    "group_size": pl.Int32, "score_mean": pl.Float64, "score_min": pl.Float64, "score_max": pl.Float64,
+    "length_mean": pl.Float64,
+})
+
+
+class StoreIndex:
+    """The indexes of every run in a store, made on first use and refreshed on every look."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+        self._runs: dict[str, RunIndex] = {}
+        self._lock = threading.Lock()
+
+    def run_ids(self) -> list[str]:
+        """Runs with a commit log or trainer metrics, sorted by name."""
+        if not self.store.root.is_dir():
+            return []
+        names = set(self.store.runs())
+        for path in self.store.root.iterdir():
+            if path.is_dir() and any((path / relative).is_file() for relative in TRAIN_METRICS_PATHS):
+                names.add(path.name)
+        return sorted(names)
+
+    def run(self, run_id: str, budget_s: float | None = None) -> RunIndex:
+        """The run's index, refreshed (within `budget_s`, see `RunIndex.refresh`); KeyError for an unknown run."""
+        if run_id not in self._runs and run_id not in self.run_ids():
+            raise KeyError(run_id)
+        with self._lock:
+            index = self._runs.setdefault(run_id, RunIndex(self.store, run_id))
+        index.refresh(budget_s)
+        return index
+
+    def indexed(self, run_id: str) -> RunIndex | None:
+        """The run's index if one was made already (not refreshed)."""
+        return self._runs.get(run_id)
+
+    def commit_counts(self, run_id: str) -> tuple[int, int]:
+        """(groups, shards) of a run from its commit log alone, without indexing it."""
+        records = self.store.committed(run_id)
+        return sum(r.rows for r in records.values()), len(records)

@@ -1,0 +1,179 @@
+"""The datagen flow's operability glue: run ownership, graceful stop, progress line and artifacts on the user's run.
+
+`RunOps.start` is called first thing in the pipeline flow. It claims the run's
+owner file (crashing the Prefect runs of a dead previous owner), installs the
+SIGTERM/SIGINT handler (stop taking chunks, give chunks in flight
+`datagen.shutdown_grace_s` to finish and commit, mark the runs Cancelled, exit),
+and finds the run the user started (the deployment's parent run, else this one)
+so the progress and summary artifacts land where the user looks.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from factory.progress import PROGRESS_PREFIX, ChunkProgress
+from factory.run_control import RunOwner, current_flow_run_id, set_state
+from factory.shutdown import GracefulStop, hard_exit
+
+
+class RunStopped(Exception):
+    """The run stopped on a signal; `code` is the process exit status to use (128 + signal)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parent_flow_run_id() -> str | None:
+    """The flow run that called this subflow (the deployment's run), or None at top level."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    task_run_id = context.flow_run.parent_task_run_id if context and context.flow_run else None
+    if task_run_id is None:
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            flow_run_id = client.read_task_run(task_run_id).flow_run_id
+    except Exception:  # noqa: BLE001 - artifacts then stay on this run
+        return None
+    return str(flow_run_id) if flow_run_id else None
+
+
+_current: RunOps | None = None
+
+
+def close_current(*_: Any) -> None:
+    """Flow state hook: restore signal handlers if the pipeline failed or crashed."""
+    if _current is not None:
+        _current.close()
+
+
+class RunOps:
+    def __init__(self, store: Any, cfg: Any, logger: Any) -> None:
+        d = cfg.datagen
+        self.logger = logger
+        self.own_run = current_flow_run_id()
+        self.parent_run = parent_flow_run_id() if self.own_run else None
+        self.report_run = self.parent_run or self.own_run
+        self.runs = [r for r in (self.own_run, self.parent_run) if r]
+        self.owner = RunOwner(store.run_dir(d.run_id), d.producer)
+        self.stop = GracefulStop(d.shutdown_grace_s, on_abandon=self._abandon)
+        self.progress: ChunkProgress | None = None
+        self._upstream: dict[int, tuple[Any, ...]] = {}
+
+    @classmethod
+    def start(cls, store: Any, cfg: Any, logger: Any) -> RunOps:
+        global _current
+        if _current is not None:
+            _current.close()
+        ops = _current = cls(store, cfg, logger)
+        ops.owner.claim(ops.runs)
+        ops.stop.__enter__()
+        return ops
+
+    def close(self) -> None:
+        global _current
+        self.stop.__exit__(None, None, None)
+        if _current is self:
+            _current = None
+
+    # ---- stop ---------------------------------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.requested
+
+    def finishes_in_grace(self, future: Any) -> bool:
+        """Wait for a chunk in flight until the grace period ends; whether it finished."""
+        future.wait(timeout=self.stop.remaining())
+        state = future.state
+        return state is not None and state.is_final()
+
+    def _message(self, abandoned: int) -> str:
+        committed = self.progress.session_chunks if self.progress else 0
+        return (f"stopped by {self.stop.signal_name}: {committed} chunk(s) committed this session, {abandoned} in "
+                "flight abandoned uncommitted; rerun with the same run id to resume")
+
+    def _abandon(self, reason: str) -> None:
+        message = f"stopped by {self.stop.signal_name}: {reason}; chunks in flight abandoned uncommitted, rerun to resume"
+        set_state(self.runs, "Cancelled", message)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+    def stopped(self, summary: dict[str, Any], abandoned: list[int]) -> Any:
+        """After a signal: mark the runs Cancelled; exit at once if chunks were abandoned (their threads are busy)."""
+        from prefect.states import Cancelled
+
+        message = self._message(len(abandoned))
+        self.logger.warning(message)
+        set_state(self.runs, "Cancelled", message)
+        self.owner.release()
+        code = 128 + (self.stop.signum or signal.SIGTERM)
+        if abandoned:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            hard_exit(code)
+        self.close()
+        return Cancelled(message=message)
+
+    def finished(self) -> None:
+        self.owner.release()
+        self.close()
+
+    # ---- futures -----------------------------------------------------------------------------------------------
+
+    def submitted(self, grouped: Any, *upstream: Any) -> None:
+        self._upstream[id(grouped)] = upstream
+
+    def result(self, grouped: Any) -> Any:
+        """The chunk's result; when it failed, the first failed upstream task's own error (not UnfinishedRun)."""
+        upstream = self._upstream.pop(id(grouped), ())
+        try:
+            return grouped.result()
+        except Exception:
+            for future in upstream:
+                future.wait()
+                state = future.state
+                if state is not None and (state.is_failed() or state.is_crashed()):
+                    future.result()  # raises the cause
+            raise
+
+    # ---- progress ----------------------------------------------------------------------------------------------
+
+    def track(self, name: str, *, total_chunks: int, done_before: int) -> None:
+        self.progress = ChunkProgress(name, total_chunks=total_chunks, done_before=done_before)
+        self.logger.info(PROGRESS_PREFIX + self.progress.line())
+
+    def chunk_committed(self, *, groups_kept: int, rollouts: int) -> None:
+        if self.progress is not None:
+            self.logger.info(PROGRESS_PREFIX + self.progress.update(groups_kept=groups_kept, rollouts=rollouts))
+
+    def _create_artifact(self, **fields: Any) -> Any:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        with get_client(sync_client=True) as client:
+            return client.create_artifact(ArtifactCreate(flow_run_id=self.report_run, **fields))
+
+    def progress_artifact(self, progress: float, *, key: str, description: str) -> Any:
+        """A progress artifact on the run the user started; returns its id (for update_progress_artifact)."""
+        if self.report_run is None:
+            from prefect.artifacts import create_progress_artifact
+
+            return create_progress_artifact(progress=progress, key=key, description=description)
+        return self._create_artifact(type="progress", key=key, data=progress, description=description).id
+
+    def summary_artifact(self, rows: list[dict[str, Any]], *, key: str, description: str, store_dir: str) -> None:
+        """The summary table on the run the user started, its description linking to the store."""
+        link = Path(store_dir).absolute().as_uri()
+        description = f"{description}; shards under [{store_dir}]({link})"
+        if self.report_run is None:
+            from prefect.artifacts import create_table_artifact
+
+            create_table_artifact(table=rows, key=key, description=description)
+            return
+        self._create_artifact(type="table", key=key, data=rows, description=description)

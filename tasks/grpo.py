@@ -1,0 +1,52 @@
+"""Prefect tasks of the `train-grpo` flow: one long task trains (the model lives in it), one publishes the summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from factory.train.config import TrainJobConfig
+from factory.train.loop import run_training
+from factory.train.metrics import MetricsLog
+
+TABLE_KEYS = ("step", "loss", "reward_mean", "reward_std", "zero_adv_frac", "clip_frac", "ratio_mean", "ratio_max",
+              "kl", "entropy", "grad_norm", "tokens_per_s", "wait_s", "compute_s", "policy_lag", "push_s")
+
+
+def train_grpo_plain(config: TrainJobConfig, *, progress: bool = True) -> dict[str, Any]:
+    """`run_training` with a Prefect progress artifact updated every step (a chunk of real work per update)."""
+    total = config.train.total_steps
+    progress_id = create_progress_artifact(progress=0.0, key="train-grpo-progress",
+                                           description=f"GRPO steps of {total} -> {config.train.output_dir}") if progress else None
+
+    def on_step(row: dict[str, Any]) -> None:
+        if progress_id is not None:
+            update_progress_artifact(progress_id, 100.0 * row["step"] / total)
+
+    return run_training(config, on_step=on_step)
+
+
+def _fmt(value: Any) -> Any:
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def publish_train_summary(summary: dict[str, Any], key: str = "train-grpo-summary", last: int = 50) -> dict[str, Any]:
+    """A table artifact of the last `last` steps' metrics and a markdown artifact with the run's outcome."""
+    rows = MetricsLog(summary["metrics"]).rows()[-last:]
+    if rows:
+        create_table_artifact(table=[{k: _fmt(r.get(k)) for k in TABLE_KEYS} for r in rows], key=f"{key}-steps",
+                              description="GRPO per-step metrics (last steps)")
+    first, final = (rows[0], rows[-1]) if rows else ({}, {})
+    lines = [f"| {k} | {v} |" for k, v in summary.items()]
+    if rows:
+        lines.append(f"| reward_mean first→last step | {first['reward_mean']:.3f} → {final['reward_mean']:.3f} |")
+    create_markdown_artifact(key=key, markdown="| item | value |\n|---|---|\n" + "\n".join(lines) + "\n",
+                             description="GRPO training run")
+    return summary
+
+
+train_grpo_task = task(train_grpo_plain, name="train-grpo", task_run_name="train-grpo", cache_policy=NO_CACHE, retries=0)
+publish_train_summary_task = task(publish_train_summary, name="publish-train-summary", retries=2, retry_delay_seconds=2)

@@ -1,0 +1,229 @@
+"""The datagen flow with its chunks in dask-jobqueue worker jobs on the one-node SLURM, on a real Prefect server.
+
+Inference is the instant fault server (factory/inference/fault_server.py) in
+the test process, reached by the workers over localhost; the tokenizer is the
+starter policy's. Jobs are 1 core each: the CI machine has 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from factory.inference.fault_server import FaultServer
+from factory.store import ShardStore
+from tests.integration.conftest import REPO, jobs_named
+
+pytestmark = [pytest.mark.integration, pytest.mark.slurm]
+
+
+def _job_ids(name: str) -> dict[str, str]:
+    """{job id: state} of queued or running jobs called `name`."""
+    out = subprocess.run(["squeue", "-h", "--name", name, "-o", "%i %T"], capture_output=True, text=True).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+@contextmanager
+def watch_queue(name: str) -> Iterator[dict[str, set[str]]]:
+    """Record every job id (and its states) squeue shows under `name` while the block runs."""
+    seen: dict[str, set[str]] = {}
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for job, state in _job_ids(name).items():
+                seen.setdefault(job, set()).add(state)
+            stop.wait(0.5)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _chunk_stats(store_root: Path, run_id: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((store_root / run_id).glob("stats-*-0*.json"))]
+
+
+def _job(tmp_path: Path, run_id: str, block: str, items: int, server: FaultServer) -> dict[str, Any]:
+    return {
+        "env": {"group_size": 2, "total_items": items, "max_tokens": 4, "ensure_scores_are_not_same": False,
+                "tokenizer_name": str(REPO / "models/starter-policy")},
+        "openai": {"base_url": server.base_url, "server_type": "sglang", "max_retries": 2},
+        "datagen": {"store_root": str(tmp_path / "data"), "run_id": run_id, "chunk_items": 2, "chunks_in_flight": 2,
+                    "score_mode": "inline", "task_runner_block": f"factory-slurm-cluster/{block}"},
+    }
+
+
+def _save_block(name: str, tmp_path: Path, **fields: Any) -> str:
+    from blocks.slurm import SlurmClusterBlock
+
+    SlurmClusterBlock(job_name=f"factory-test-{os.getpid()}", cores=1, memory="2GB", walltime="00:10:00",
+                      log_dir=str(tmp_path / "logs"), environment={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                      **fields).save(name, overwrite=True)
+    return name
+
+
+def test_chunks_run_in_slurm_jobs_and_every_group_is_stored_once(slurm: None, prefect_server: dict,
+                                                                 tmp_path: Path) -> None:
+    from flows.datagen import intern_bootcamp_datagen
+    from flows.inference import register_endpoints
+
+    block = _save_block("test-datagen", tmp_path, min_jobs=1, max_jobs=1)
+    run_id = "slurm-run"
+    job_name = f"factory-test-{os.getpid()}-{run_id}"
+    with FaultServer() as server, watch_queue(job_name) as seen:
+        # The endpoints come the way the sglang-on-slurm flow hands them over: a saved InferenceEndpointsBlock.
+        register_endpoints.fn([server.base_url], "test-datagen-endpoints")
+        job = _job(tmp_path, run_id, block, 8, server)
+        job["openai"]["base_url"] = "http://127.0.0.1:9/v1"  # nothing listens here: the block's URL must win
+        job["datagen"]["endpoints_block"] = "test-datagen-endpoints"
+        summary = intern_bootcamp_datagen(**job)
+
+    store = ShardStore(tmp_path / "data")
+    assert store.verify(run_id) == []
+    groups = list(store.iter_groups(run_id))
+    assert summary["chunks_committed"] == 4 and len(groups) == summary["groups_kept"] == 8
+    assert len({g.item_key for g in groups}) == 8 and len({g.group_id for g in groups}) == 8
+    # Every chunk was generated inside a SLURM job that squeue showed running under the run's job name.
+    stats = _chunk_stats(tmp_path / "data", run_id)
+    jobs = {s["worker"]["slurm_job_id"] for s in stats}
+    assert len(stats) == 4 and None not in jobs and jobs <= set(seen), (jobs, seen)
+    assert all("RUNNING" in seen[job] for job in jobs)
+    for job in jobs:
+        log = (tmp_path / "logs" / job / "worker.log").read_text()
+        assert f"factory worker job {job}" in log and "dask" in log.lower()
+    # The flow's end closed the cluster: no job of the run is left.
+    assert jobs_named(job_name) == []
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _first_chunk_job(store_root: Path, run_id: str) -> str | None:
+    stats = _chunk_stats(store_root, run_id)
+    return stats[0]["worker"]["slurm_job_id"] if stats else None
+
+
+def _assert_every_group_once(store_root: Path, run_id: str, items: int) -> list[dict[str, Any]]:
+    store = ShardStore(store_root)
+    assert store.verify(run_id) == []
+    groups = list(store.iter_groups(run_id))
+    assert len(groups) == items and len({g.item_key for g in groups}) == items, "a group is missing or duplicated"
+    return _chunk_stats(store_root, run_id)
+
+
+def test_a_cancelled_worker_job_is_replaced_and_its_chunks_run_again(slurm: None, prefect_server: dict,
+                                                                    tmp_path: Path) -> None:
+    from flows.datagen import intern_bootcamp_datagen
+
+    block = _save_block("test-scancel", tmp_path, min_jobs=2, max_jobs=2)
+    run_id, data = "scancel-run", tmp_path / "data"
+    job_name = f"factory-test-{os.getpid()}-{run_id}"
+    cancelled: list[str] = []
+
+    def cancel_first_job() -> None:
+        job = _wait_for(lambda: _first_chunk_job(data, run_id), 300, "the first chunk")
+        subprocess.run(["scancel", job], check=True)
+        cancelled.append(job)
+
+    with FaultServer() as server, watch_queue(job_name) as seen:
+        server.inject(*["slow:1"] * 1000)  # each request takes a second: chunks are in flight when the job dies
+        killer = threading.Thread(target=cancel_first_job, daemon=True)
+        killer.start()
+        intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 12, server))
+        killer.join(5)
+
+    stats = _assert_every_group_once(data, run_id, 12)
+    assert cancelled and cancelled[0] in seen
+    after = {s["worker"]["slurm_job_id"] for s in stats} - set(cancelled)
+    assert after, "no chunk ran on another job after the cancellation"
+    assert len(seen) >= 3, f"the cancelled job was not replaced: {seen}"
+    assert "CANCELLED" in (tmp_path / "logs" / f"slurm-{cancelled[0]}.out").read_text()
+    assert jobs_named(job_name) == []
+
+
+@pytest.mark.slow
+def test_a_worker_at_the_end_of_its_lifetime_is_replaced(slurm: None, prefect_server: dict, tmp_path: Path) -> None:
+    """worker_lifetime < walltime: a worker leaves before SLURM would kill it, the adaptive cluster submits another.
+
+    The server answers slowly until a replacement job shows up in squeue, then at once, so the run ends soon after.
+    """
+    from flows.datagen import intern_bootcamp_datagen
+
+    block = _save_block("test-lifetime", tmp_path, min_jobs=2, max_jobs=2, worker_lifetime="40s",
+                        lifetime_stagger="15s")
+    run_id, data = "lifetime-run", tmp_path / "data"
+    job_name = f"factory-test-{os.getpid()}-{run_id}"
+    with FaultServer() as server, watch_queue(job_name) as seen:
+        server.inject(*["slow:1"] * 10000)
+
+        def speed_up_once_replaced() -> None:
+            try:
+                _wait_for(lambda: len(seen) >= 3, 300, "a third job (a replacement)")
+            finally:
+                server.faults.clear()
+
+        watcher = threading.Thread(target=speed_up_once_replaced, daemon=True)
+        watcher.start()
+        intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 40, server))
+        watcher.join(5)
+
+    stats = _assert_every_group_once(data, run_id, 40)
+    assert len(seen) >= 3, f"no job was replaced: {seen}"
+    leavers = [job for job in seen if (tmp_path / "logs" / job / "worker.log").is_file()
+               and "worker-lifetime-reached" in (tmp_path / "logs" / job / "worker.log").read_text()]
+    assert leavers, "no worker left at its lifetime"
+    assert {s["worker"]["slurm_job_id"] for s in stats} <= set(seen)
+    assert jobs_named(job_name) == []
+
+
+def test_jobs_of_a_killed_flow_are_cancelled_by_the_next_start_of_the_run(slurm: None, prefect_server: dict,
+                                                                       tmp_path: Path) -> None:
+    import signal
+    import sys
+
+    from flows.datagen import intern_bootcamp_datagen
+
+    block = _save_block("test-crash", tmp_path, min_jobs=1, max_jobs=1)
+    run_id, data = "crash-run", tmp_path / "data"
+    job_name = f"factory-test-{os.getpid()}-{run_id}"
+    with FaultServer() as server:
+        server.inject(*["slow:2"] * 1000)
+        job = _job(tmp_path, run_id, block, 12, server)
+        code = ("import json, sys; from flows.datagen import intern_bootcamp_datagen; "
+                "intern_bootcamp_datagen(**json.loads(sys.argv[1]))")
+        flow = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            _wait_for(lambda: _first_chunk_job(data, run_id), 300, "the killed flow's first chunk")
+        finally:
+            flow.send_signal(signal.SIGKILL)
+            flow.wait()
+        orphans = set(_job_ids(job_name))
+        assert orphans, "the killed flow's worker job should still be queued (it is the orphan)"
+        server.faults.clear()
+        summary = intern_bootcamp_datagen(**job)  # the next start of the run cancels them first, then resumes
+
+    assert not orphans & set(_job_ids(job_name)) and jobs_named(job_name) == []
+    stats = _assert_every_group_once(data, run_id, 12)
+    assert summary["session_chunks"] < 6 and {s["worker"]["slurm_job_id"] for s in stats} - orphans

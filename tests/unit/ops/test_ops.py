@@ -1,0 +1,132 @@
+"""Config errors name the file; progress line; graceful stop; owner file crashes a dead owner's runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from factory.config import ConfigError
+from factory.progress import ChunkProgress, format_duration
+from factory.run_control import RunOwner
+from factory.shutdown import GracefulStop
+
+REF = "environments.intern_bootcamp:InternBootcampEnv"
+
+
+def test_yaml_typo_names_the_file_and_the_key(tmp_path):
+    from flows.datagen import build_job_config
+
+    config = tmp_path / "job.yaml"
+    config.write_text("env:\n  group_sze: 8\ndatagen:\n  chunk_items: many\n")
+    with pytest.raises(ConfigError) as error:
+        build_job_config(REF, config_path=str(config))
+    message = str(error.value)
+    assert f"unknown config key 'env.group_sze' (did you mean 'group_size'?) (in config file {config})" in message
+    assert f"config key 'datagen.chunk_items'" in message and message.count(str(config)) == 2
+    with pytest.raises(ConfigError, match=r"'env.group_sze'.*\(from the command line\)"):
+        build_job_config(REF, cli_args=["--env.group_sze", "8"])
+    with pytest.raises(ConfigError, match=r"\(from the flow parameters\)"):
+        build_job_config(REF, values={"env": {"group_sze": 8}})
+
+
+def test_progress_line_has_chunks_groups_rate_and_eta():
+    now = [0.0]
+    progress = ChunkProgress("bootcamp", total_chunks=10, done_before=2, clock=lambda: now[0])
+    assert progress.line() == "bootcamp: 2/10 chunks, 0 groups kept, 0.0 rollouts/s, ETA ?"
+    now[0] = 20.0
+    assert progress.update(groups_kept=40, rollouts=640) == "bootcamp: 3/10 chunks, 40 groups kept, 32.0 rollouts/s, ETA 2m20s"
+    now[0] = 40.0
+    for _ in range(7):
+        line = progress.update(groups_kept=1, rollouts=0)
+    assert line.endswith("10/10 chunks, 47 groups kept, 16.0 rollouts/s, done")
+    assert format_duration(3725) == "1h02m"
+
+
+def test_sigterm_sets_the_stop_flag_and_starts_the_grace_clock():
+    stop = GracefulStop(grace_s=100)
+    with stop:
+        assert not stop.requested and stop.remaining() == float("inf")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested and stop.signal_name == "SIGTERM" and 99 < stop.remaining() <= 100
+        stop.disarm()
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle
+
+
+def test_watchdog_exits_the_process_after_the_grace_period():
+    script = ("import time; from factory.shutdown import GracefulStop\n"
+              "s = GracefulStop(grace_s=0.5, on_abandon=lambda why: print('abandon:', why, flush=True))\n"
+              "s.__enter__(); print('ready', flush=True)\n"
+              "while True: time.sleep(0.1)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert process.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    elapsed = time.monotonic() - started
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "abandon: grace period of 0.5s after SIGTERM ran out" in out
+    assert elapsed < 0.5 + 3 + 4  # grace + the watchdog's margin + a loaded machine
+
+
+def test_owner_file_crashes_runs_of_a_dead_owner_and_refuses_a_live_one(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("factory.run_control.set_state", lambda ids, state, msg, **kw: calls.append((ids, state)) or ids)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    owner = RunOwner(tmp_path / "run", "prod")
+    owner.path.parent.mkdir()
+    owner.path.write_text(f'{{"host": "{socket.gethostname()}", "pid": {dead.pid}, "flow_runs": ["a", "b"]}}')
+    assert owner.claim(["c"]) == ["a", "b"] and calls == [(["a", "b"], "Crashed")]
+    assert owner.read()["pid"] == os.getpid() and owner.read()["flow_runs"] == ["c"]
+    owner.release()
+    assert owner.read() is None
+
+    from factory.preflight import PreflightError
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        owner.path.write_text(f'{{"host": "{socket.gethostname()}", "pid": {alive.pid}, "flow_runs": ["x"]}}')
+        with pytest.raises(PreflightError, match=f"already being written by pid {alive.pid}"):
+            owner.claim(["y"])
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_failed_chunk_raises_the_upstream_cause_not_unfinished_run():
+    from prefect.exceptions import UnfinishedRun
+    from prefect.states import Completed, Failed, Pending
+
+    from flows.datagen_ops import RunOps
+
+    class Future:
+        def __init__(self, state, error=None):
+            self.state, self.error = state, error
+
+        def wait(self, timeout=None):
+            pass
+
+        def result(self):
+            if self.error:
+                raise self.error
+            return "ok"
+
+    cause = RuntimeError("12 of 12 items failed to generate; check that openai.base_url http://x is up")
+    ops = RunOps.__new__(RunOps)
+    ops._upstream = {}
+    generated, scored = Future(Failed(), cause), Future(Pending(), UnfinishedRun("Run is in PENDING state"))
+    grouped = Future(Pending(), UnfinishedRun("Run is in PENDING state"))
+    ops.submitted(grouped, generated, scored)
+    with pytest.raises(RuntimeError, match="check that openai.base_url"):
+        ops.result(grouped)
+    fine = Future(Completed())
+    ops.submitted(fine, Future(Completed()), Future(Completed()))
+    assert ops.result(fine) == "ok" and ops._upstream == {}
