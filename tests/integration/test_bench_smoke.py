@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +34,14 @@ def test_benches_are_discovered():
 @pytest.mark.parametrize("name", BENCHES)
 def test_bench_smoke_run_prints_its_table(name: str, prefect_server: dict[str, str]) -> None:
     env = {**os.environ, **prefect_server, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    bench = subprocess.Popen([sys.executable, "-m", f"bench.{name}.run", "--smoke"], cwd=REPO, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, "-m", f"bench.{name}.run", "--smoke"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as error:
+        stdout, stderr = bench.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(bench.pid, signal.SIGKILL)  # the bench and everything it started
+        stdout, stderr = bench.communicate()
         pytest.fail(f"bench.{name}.run --smoke ran past {TIMEOUT_S:.0f}s (or a process it started kept it open):\n"
-                    f"{(error.stderr or b'')[-3000:]!r}")
-    assert done.returncode == 0, f"bench.{name}.run --smoke failed:\n{done.stderr[-4000:]}"
-    assert len(TABLE_ROW.findall(done.stdout)) >= 2, f"bench.{name}.run --smoke printed no table:\n{done.stdout[-2000:]}"
+                    f"{stderr[-3000:]}")
+    assert bench.returncode == 0, f"bench.{name}.run --smoke failed:\n{stderr[-4000:]}"
+    assert len(TABLE_ROW.findall(stdout)) >= 2, f"bench.{name}.run --smoke printed no table:\n{stdout[-2000:]}"
