@@ -16,7 +16,7 @@ Typical bench:
     add_bench_args(parser)                      # --smoke, --pairs, --json-out
     args = parser.parse_args()
     result = compare("datagen", [Side("raw", run_raw), Side("flow", run_flow)],
-                     pairs=args.pairs, json_out=json_path("datagen", args))
+                     pairs=pairs_from(args), json_out=json_path("datagen", args))
     print_comparison(result)                   # markdown table + command + load
 
 Benches without sides use `measure` (repeats of one callable, same JSON lines).

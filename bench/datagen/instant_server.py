@@ -59,13 +59,12 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
         writer.close()
 
 
-async def serve(port: int, parent: int | None = None) -> None:
+async def serve(port: int, parent: int) -> None:
+    """Serve until the process that started this one is gone (a killed bench leaves no server behind)."""
     server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024, reuse_port=True)
     async with server:
-        while parent is not None and os.getppid() == parent:  # a worker exits when the first process goes
+        while os.getppid() == parent:
             await asyncio.sleep(1)
-        if parent is None:
-            await server.serve_forever()
 
 
 def _worker(port: int, parent: int) -> None:
@@ -87,7 +86,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _stop)
     for _ in range(args.workers - 1):
         multiprocessing.Process(target=_worker, args=(args.port, os.getpid()), daemon=True).start()
-    asyncio.run(serve(args.port))
+    asyncio.run(serve(args.port, os.getppid()))
 
 
 if __name__ == "__main__":

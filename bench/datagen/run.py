@@ -1,7 +1,7 @@
 """Datagen throughput: the factory's flow vs the raw client limit vs Atropos's `process` mode, then end to end on CPU.
 
     ATROPOS_VENV=/work/.venv-atropos python -m bench.datagen.run --groups 2000 --group-size 8
-    python -m bench.datagen.run --smoke          # seconds: every path once, tiny sizes
+    python -m bench.datagen.run --smoke          # seconds: every side once, tiny sizes, no end-to-end part
 
 1. The raw limit. The instant OpenAI-compatible server (instant_server.py) and
    the plain client (raw_client.py: hand-written HTTP on sockets, aiohttp with
@@ -178,12 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--e2e-groups", type=int, default=64)
+    parser.add_argument("--e2e-groups", type=int, default=None,
+                        help="problems for the end-to-end part (default 64; 0 skips it, as --smoke does)")
     parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's process mode")
     harness.add_bench_args(parser)
     args = parser.parse_args(argv)
+    if args.e2e_groups is None:
+        args.e2e_groups = 0 if args.smoke else 64  # the policy server's start is most of a smoke run's time
     if args.smoke:
-        args.groups, args.e2e_groups = min(args.groups, 16), min(args.e2e_groups, 4)
+        args.groups = min(args.groups, 16)
     pairs, json_out = harness.pairs_from(args), harness.json_path("datagen", args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -213,8 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
         result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
                                  label=f"{g} groups of {n}, instant server x{best['server_workers']}")
-        phase("end to end on the local policy server")
-        e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
+        if args.e2e_groups:
+            phase("end to end on the local policy server")
+            e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
     phase("done")
 
     harness.print_table(["server workers", "client", "processes", "groups/s"],
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((side, f"{result.median_ratio(side, metric, versus=atropos_side):.2f}x", f"{low:.2f}-{high:.2f}x"))
         harness.print_table(["side (pipeline only)", "vs Atropos process mode (median)", "min-max"], rows,
                             title="factory vs Atropos, same rounds")
+    if not args.e2e_groups:
+        return
     harness.print_table(["model", "problems", "rollouts/s", "completion tokens/s", "inference share", "kept",
                          "dropped"],
                         [(e2e["model"], args.e2e_groups, e2e["session_rollouts_per_s"], e2e["session_tokens_per_s"],
