@@ -12,13 +12,13 @@ equivalent boxed answer after any thinking, 0.0 for a wrong one or none.
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from environments.base import BaseEnv, EnvConfig, Item
+from environments.base import Item
+from environments.dataset_env import DatasetConfig, DatasetEnv
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are enforced by tasks/score.py
 
@@ -27,12 +27,11 @@ SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 _BOXED = "\\boxed{"
 
 
-class MathConfig(EnvConfig):
+class MathConfig(DatasetConfig):
     """The `env.` section for MATH."""
 
     dataset_name: str = Field("HuggingFaceH4/MATH-500", description="Hub dataset loaded with datasets.load_dataset.")
     split: str = Field("test", description="Split training items come from.")
-    eval_split: str = Field("test", description="Split `evaluate` items come from.")
     data_file: str | None = Field(None, description="Local JSONL (problem, solution/answer, subject, level) instead.")
     system_prompt: str | None = Field(SYSTEM_PROMPT, description="System message put before every problem.")
     max_tokens: int = Field(512, ge=1, description="Most new tokens per completion.")
@@ -68,55 +67,19 @@ def equivalent(gold: str, answer: str) -> bool:
     return bool(mine) and bool(verify(parse(f"${gold}$", parsing_timeout=None), mine, timeout_seconds=None))
 
 
-class MathEnv(BaseEnv):
+class MathEnv(DatasetEnv):
     name = "math"
+    key_prefix = "math"
     config_cls = MathConfig
     config: MathConfig
-
-    def setup(self) -> None:
-        self.rows = self._load(self.config.split)
-        self.order = random.Random(self.config.seed).sample(range(len(self.rows)), len(self.rows))
-
-    def _load(self, split: str) -> list[dict[str, Any]]:
-        import datasets
-
-        if self.config.data_file:
-            if not Path(self.config.data_file).is_file():
-                raise FileNotFoundError(f"env.data_file {self.config.data_file} does not exist; point it at a JSONL of MATH rows")
-            rows = list(datasets.load_dataset("json", data_files=self.config.data_file, split="train"))
-        else:
-            rows = list(datasets.load_dataset(self.config.dataset_name, split=split))
-        if not rows:
-            raise ValueError(f"MATH split {split!r} of {self.config.data_file or self.config.dataset_name} is empty")
-        return rows
 
     def _item(self, row: dict[str, Any], key: str) -> Item:
         info = {"subject": row.get("subject") or row.get("type") or "unknown", "level": str(row.get("level", ""))}
         return Item(key=key, messages=self.chat(row["problem"]), answer=gold_answer(row), info=info)
 
-    def get_item(self, index: int) -> Item:
-        if not hasattr(self, "rows"):
-            self.setup()
-        epoch, position = divmod(index, len(self.rows))
-        row = self.order[position]
-        return self._item(self.rows[row], f"math-{self.config.split}-{row}" + (f"-e{epoch}" if epoch else ""))
-
-    def get_eval_item(self, index: int) -> Item:
-        if not hasattr(self, "eval_rows"):
-            self.eval_rows = self._load(self.config.eval_split)
-        row = index % len(self.eval_rows)
-        return self._item(self.eval_rows[row], f"math-{self.config.eval_split}-{row}")
-
     def score(self, item: Item, completion: str) -> float:
         answer = last_boxed(completion.rsplit("</think>", 1)[-1])
         return 1.0 if answer is not None and equivalent(item.answer, answer) else 0.0
-
-    def eval_metrics(self, items: list[Item], completions: list[str]) -> dict[str, float]:
-        metrics = super().eval_metrics(items, completions)
-        for subject in sorted({i.info["subject"] for i in items}):
-            pairs = [(i, c) for i, c in zip(items, completions) if i.info["subject"] == subject]
-            metrics[f"accuracy/{subject}"] = sum(self.is_correct(i, c) for i, c in pairs) / len(pairs)
-        return metrics
 
 
 if __name__ == "__main__":

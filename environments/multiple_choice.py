@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.base import BaseEnv, EnvConfig, Item
+from environments.base import Item
+from environments.dataset_env import DatasetConfig, DatasetEnv
 
 SAMPLE_FILE = Path(__file__).parent / "data" / "mmlu_sample.jsonl"
 LETTERS = "ABCDEFGHIJ"
@@ -35,13 +36,12 @@ _PATTERNS = [
 _ONLY_LETTER = re.compile(r"^\s*\(?([A-J])(?:[).:\]]|\s*$)", re.IGNORECASE)
 
 
-class MultipleChoiceConfig(EnvConfig):
+class MultipleChoiceConfig(DatasetConfig):
     """The `env.` section for multiple choice."""
 
     dataset_name: str = Field("cais/mmlu", description="Hub dataset loaded with datasets.load_dataset.")
-    dataset_config: str = Field("all", description="Dataset config (MMLU: 'all' or one subject).")
+    dataset_config: str | None = Field("all", description="Dataset config (MMLU: 'all' or one subject).")
     split: str = Field("auxiliary_train", description="Split training items come from.")
-    eval_split: str = Field("test", description="Split `evaluate` items come from.")
     data_file: str | None = Field(None, description="Local JSONL of {question, choices, answer, subject} instead.")
     shuffle_choices: bool = Field(False, description="Shuffle the options per item (seeded), to fight letter bias.")
     system_prompt: str | None = Field(SYSTEM_PROMPT, description="System message put before every question.")
@@ -71,24 +71,12 @@ def format_question(question: str, choices: list[str]) -> str:
     return f"{question}\n{options}"
 
 
-class MultipleChoiceEnv(BaseEnv):
+class MultipleChoiceEnv(DatasetEnv):
     name = "multiple_choice"
+    key_prefix = "mc"
     config_cls = MultipleChoiceConfig
     scoring = "inline"  # a few regexes: bounded and cheap
     config: MultipleChoiceConfig
-
-    def setup(self) -> None:
-        self.rows = self._load(self.config.split)
-        self.order = random.Random(self.config.seed).sample(range(len(self.rows)), len(self.rows))
-
-    def _load(self, split: str) -> list[dict[str, Any]]:
-        import datasets
-
-        if self.config.data_file:
-            if not Path(self.config.data_file).is_file():
-                raise FileNotFoundError(f"env.data_file {self.config.data_file} does not exist; point it at a JSONL")
-            return list(datasets.load_dataset("json", data_files=self.config.data_file, split="train"))
-        return list(datasets.load_dataset(self.config.dataset_name, self.config.dataset_config, split=split))
 
     def _item(self, row: dict[str, Any], key: str) -> Item:
         choices = list(row["choices"])
@@ -99,19 +87,6 @@ class MultipleChoiceEnv(BaseEnv):
         return Item(key=key, messages=self.chat(format_question(row["question"], choices)), answer=LETTERS[answer],
                     info={"subject": row.get("subject") or "unknown", "choices": choices})
 
-    def get_item(self, index: int) -> Item:
-        if not hasattr(self, "rows"):
-            self.setup()
-        epoch, position = divmod(index, len(self.rows))
-        row = self.order[position]
-        return self._item(self.rows[row], f"mc-{self.config.split}-{row}" + (f"-e{epoch}" if epoch else ""))
-
-    def get_eval_item(self, index: int) -> Item:
-        if not hasattr(self, "eval_rows"):
-            self.eval_rows = self._load(self.config.eval_split)
-        row = index % len(self.eval_rows)
-        return self._item(self.eval_rows[row], f"mc-{self.config.eval_split}-{row}")
-
     def score(self, item: Item, completion: str) -> float:
         return 1.0 if extract_letter(completion, item.info["choices"]) == item.answer else 0.0
 
@@ -119,9 +94,6 @@ class MultipleChoiceEnv(BaseEnv):
         metrics = super().eval_metrics(items, completions)
         answered = [extract_letter(c, i.info["choices"]) is not None for i, c in zip(items, completions)]
         metrics["answered"] = sum(answered) / max(len(items), 1)
-        for subject in sorted({i.info["subject"] for i in items}):
-            pairs = [(i, c) for i, c in zip(items, completions) if i.info["subject"] == subject]
-            metrics[f"accuracy/{subject}"] = sum(self.is_correct(i, c) for i, c in pairs) / len(pairs)
         return metrics
 
 
