@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from factory.local_prefect import drain_prefect_workers, temporary_local_prefect
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 SMOKE_DIR = REPO / "bench" / "out" / "smoke"
@@ -280,34 +282,6 @@ def prefect_server(home: Path) -> Iterator[dict[str, str]]:
         except httpx.HTTPError:
             pass
     from factory.inference.local_server import free_port
-    from factory.local_prefect import LocalPrefect
 
-    stack = LocalPrefect(home=home, port=free_port())
-    stack.up(worker=False)
-    saved = {key: os.environ.get(key) for key in stack.environ()}
-    os.environ.update(stack.environ())
-    try:
-        yield stack.environ()
-    finally:
-        drain_prefect_workers()
-        stack.down()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def drain_prefect_workers(timeout: float = 10) -> None:
-    """Ship Prefect's queued logs and events while its server is still up; call it just before stopping the server.
-
-    Otherwise the bench's process outlives its table by a minute or two, its
-    APILogWorker / EventsWorker retrying against a server that is gone.
-    """
-    if "prefect" not in sys.modules:
-        return
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        worker.drain_all(timeout=timeout)
+    with temporary_local_prefect(home, free_port()) as environ:
+        yield environ

@@ -15,6 +15,7 @@ files and logs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +196,44 @@ class LocalPrefect:
             "worker_pid": self._pid("worker"),
             "home": str(self.home),
         }
+
+
+@contextlib.contextmanager
+def temporary_local_prefect(home: Path, port: int) -> Iterator[dict[str, str]]:
+    """A local Prefect server for the length of a block, its settings exported into this process's environment.
+
+    On exit Prefect's queued logs and events are shipped while the server is still
+    up (drain_prefect_workers), then the server stops and the environment is restored.
+    """
+    stack = LocalPrefect(home=home, port=port)
+    stack.up(worker=False)
+    saved = {key: os.environ.get(key) for key in stack.environ()}
+    os.environ.update(stack.environ())
+    try:
+        yield stack.environ()
+    finally:
+        drain_prefect_workers()
+        stack.down()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def drain_prefect_workers(timeout: float = 10) -> None:
+    """Ship Prefect's queued logs and events while its server is still up; call it just before stopping the server.
+
+    Otherwise the process outlives its work by a minute or two, its APILogWorker /
+    EventsWorker retrying against a server that is gone.
+    """
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
 
 
 def _port_busy(port: int) -> bool:

@@ -29,34 +29,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     Yields the environment variables that point clients at it and exports them
     into this process for the session, so `@flow` calls in tests report to it.
     """
-    from factory.local_prefect import LocalPrefect
-
-    stack = LocalPrefect(home=tmp_path_factory.mktemp("prefect-home"), port=free_port())
-    stack.up(worker=False)
-    saved = {key: os.environ.get(key) for key in stack.environ()}
-    os.environ.update(stack.environ())
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: stack.api_url}):
-            yield stack.environ()
-    finally:
-        _drain_prefect_workers()
-        stack.down()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    from factory.local_prefect import temporary_local_prefect
 
-
-def _drain_prefect_workers() -> None:
-    """Send queued logs and events while the server is still up; otherwise exit waits on retries."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        worker.drain_all(timeout=10)
+    with temporary_local_prefect(tmp_path_factory.mktemp("prefect-home"), free_port()) as environ:
+        with temporary_settings(updates={PREFECT_API_URL: environ["PREFECT_API_URL"]}):
+            yield environ
 
 
 @pytest.fixture
