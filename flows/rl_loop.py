@@ -92,6 +92,7 @@ def run_loop(cfg: RLLoopConfig) -> dict[str, Any]:
     from factory.train.evaluate import heldout_accuracy
 
     out = Path(cfg.out_dir).absolute()
+    trainer_dir = trainer_dir_of(out)
     shutil.rmtree(out, ignore_errors=True)
     (out / "logs").mkdir(parents=True)
     policy = str(Path(cfg.policy).absolute())
@@ -137,7 +138,7 @@ def run_loop(cfg: RLLoopConfig) -> dict[str, Any]:
                                    stderr=subprocess.STDOUT, cwd=ROOT)
         train_cmd = [
             sys.executable, "-m", "flows.train", "--config", str(ROOT / cfg.train_config),
-            "--train.model_path", policy, "--train.output_dir", str(out / "trainer"),
+            "--train.model_path", policy, "--train.output_dir", str(trainer_dir),
             "--train.batch_size", str(cfg.batch_size), "--train.total_steps", str(cfg.total_steps),
             "--train.max_runtime_s", str(cfg.budget_s), "--train.checkpoint_every", str(cfg.checkpoint_every),
             "--train.optim.lr", str(cfg.lr),
@@ -163,7 +164,7 @@ def run_loop(cfg: RLLoopConfig) -> dict[str, Any]:
 
     from factory.train.trainer import latest_checkpoint
 
-    final = latest_checkpoint(out / "trainer")
+    final = latest_checkpoint(trainer_dir)
     print(f"== after: held-out eval of {final}", flush=True)
     after = heldout_accuracy(final, env, n=cfg.eval_items, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
     phases["eval_after_s"] = after.seconds
@@ -175,8 +176,14 @@ def run_loop(cfg: RLLoopConfig) -> dict[str, Any]:
     return report
 
 
+def trainer_dir_of(out: Path) -> Path:
+    """Checkpoints and metrics sit beside the run's shards, where `view-run --store <out>/store` shows the curve."""
+    return out / "store" / "rl" / "train"
+
+
 def _report(cfg: RLLoopConfig, out: Path, before: Any, after: Any, phases: dict[str, float]) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (out / "trainer" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trainer_dir = trainer_dir_of(out)
+    rows = [json.loads(line) for line in (trainer_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = len(rows)
     total = lambda key: sum(r.get(key) or 0.0 for r in rows)  # noqa: E731
     inference_s = 0.0
@@ -213,7 +220,7 @@ def _report(cfg: RLLoopConfig, out: Path, before: Any, after: Any, phases: dict[
         f"| weight push (update_weights_from_disk) | {total('push_s'):.1f} |",
         f"| datagen inference (sum over {chunks} chunks; chunks overlap) | {inference_s:.1f} |",
         "",
-        f"reward curve: {out / 'trainer' / 'reward_curve.png'}; metrics: {out / 'trainer' / 'metrics.jsonl'}",
+        f"reward curve: {trainer_dir / 'reward_curve.png'}; metrics: {trainer_dir / 'metrics.jsonl'}",
     ]
     if rows:
         first = sum(r["reward_mean"] for r in rows[:5]) / min(5, len(rows))
@@ -224,7 +231,7 @@ def _report(cfg: RLLoopConfig, out: Path, before: Any, after: Any, phases: dict[
             "n": before.n, "stderr_before": before.stderr, "stderr_after": after.stderr, "change": diff,
             "change_stderr": diff_se, "steps": steps, "phases": phases, "trainer_compute_s": total("compute_s"),
             "trainer_wait_s": total("wait_s"), "save_s": total("save_s"), "push_s": total("push_s"),
-            "datagen_inference_s": inference_s, "curve": str(out / "trainer" / "reward_curve.png"),
+            "datagen_inference_s": inference_s, "curve": str(trainer_dir / "reward_curve.png"),
             "markdown": "\n".join(lines) + "\n"}
 
 
