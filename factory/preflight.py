@@ -19,8 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
+
+from factory.slurm_cluster import NODE_LOCAL_HOST
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
@@ -165,6 +168,8 @@ def preflight(cfg: Any, *, mode: str = "process", wait_s: float = 0.0, timeout: 
                              "tokenizer; set it to the policy directory or hub id")
     headers = {"Authorization": f"Bearer {openai.api_key}"}
     for url in openai.urls:
+        if urlsplit(url).netloc == NODE_LOCAL_HOST:
+            continue  # each SLURM worker's own node server: its job prologue waits for /health before the worker starts
         _with_wait(lambda url=url: check_endpoint(url, server_type=openai.server_type, model_name=openai.model_name,
                                                   timeout=timeout, headers=headers), wait_s)
     if mode == "serve" and cfg.serve.api_url:

@@ -127,6 +127,14 @@ def test_preflight_of_a_whole_job(fake_server, tmp_path):
                   serve={"api_url": fake_server}), mode="serve")
 
 
+def test_node_local_endpoints_are_left_to_the_slurm_workers(fake_server, tmp_path):
+    tok = str(tokenizer_dir(tmp_path))
+    preflight(job(tmp_path, openai={"base_url": "http://node-local/v1"}, env={"tokenizer_name": tok}))
+    with pytest.raises(PreflightError, match="not reachable"):  # other URLs are still checked beside it
+        preflight(job(tmp_path, openai={"base_url": ["http://node-local/v1", f"http://127.0.0.1:{free_port()}"]},
+                      env={"tokenizer_name": tok}))
+
+
 def test_preflight_wait_polls_an_endpoint_that_comes_up(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
