@@ -23,13 +23,14 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-CLIENTS, GROUPS_PER_CLIENT, GROUP_SIZE, BATCH = 8, 48, 2, 16
+CLIENTS, MAX_GROUPS_PER_CLIENT, GROUP_SIZE, BATCH = 8, 5000, 2, 16
+FILLER_CLIENT = CLIENTS  # tags of its groups are told apart from the posters'
 KILL_SECONDS = float(os.environ.get("FACTORY_FAULT_SECONDS", "20"))
 
 
 def make_group(client: int, index: int) -> dict:
     """Small groups, told apart by their first token; pairs of identical groups on purpose (no content dedup)."""
-    tag = client * 1000 + index // 2
+    tag = client * 100_000 + index // 2
     return {"tokens": [[tag, 1, 2], [tag, 3, 4]], "masks": [[-100, 1, 2], [-100, 3, 4]], "scores": [1.0, 0.0]}
 
 
@@ -37,8 +38,8 @@ def poster(url: str, client: int, acked: list[tuple[int, int]], stop: threading.
     env = EnvClient(url, timeout=10)
     rng = random.Random(client)
     index = 0
-    while index < GROUPS_PER_CLIENT and not stop.is_set():
-        size = min(rng.randint(1, 4), GROUPS_PER_CLIENT - index)
+    while index < MAX_GROUPS_PER_CLIENT and not stop.is_set():  # clients post for as long as the kills go on
+        size = min(rng.randint(1, 4), MAX_GROUPS_PER_CLIENT - index)
         chunk = [make_group(client, i) for i in range(index, index + size)]
         try:
             reply = env.post(chunk, retries=10_000, retry_wait_s=0.1)  # one Idempotency-Key for every retry
@@ -70,16 +71,24 @@ def test_sigkill_restarts_while_8_clients_post_lose_nothing_and_serve_once(tmp_p
             api.kill9()
             kills += 1
             api.start()
+        stop.set()  # each client finishes (retrying) the post it is in, then stops
         for thread in threads:
             thread.join(timeout=120)
-        stop.set()
+        assert not any(t.is_alive() for t in threads)
         assert not failures, failures
         assert kills >= 2
-        assert len(acked) == CLIENTS * GROUPS_PER_CLIENT  # retrying clients got every group acknowledged
+        for client in range(CLIENTS):  # retrying clients got every group they posted acknowledged, in order
+            indices = [i for c, i in acked if c == client]
+            assert indices and indices == list(range(len(indices))), f"client {client}: {indices[-5:]}"
 
         # One more SIGKILL after the last ack: acknowledged means durable.
         api.kill9()
         api.start()
+        # /batch serves whole batches only: top the queue up to a multiple of BATCH sequences with filler groups.
+        fillers = [(FILLER_CLIENT, 2 * i) for i in range((-len(acked) * GROUP_SIZE) % BATCH // GROUP_SIZE)]
+        if fillers:
+            assert EnvClient(api.url, timeout=10).post([make_group(c, i) for c, i in fillers]).status_code == 200
+            acked.extend(fillers)
         trainer = TrainerClient(api.url, timeout=30)
         trainer.register(BATCH)
         served: Counter = Counter()
