@@ -149,10 +149,11 @@ def test_a_cancelled_worker_job_is_replaced_and_its_chunks_run_again(slurm: None
         server.inject(*["slow:1"] * 1000)  # each request takes a second: chunks are in flight when the job dies
         killer = threading.Thread(target=cancel_first_job, daemon=True)
         killer.start()
-        intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 12, server))
+        # 24 items: the run must outlast the adaptive cluster's replacement of the cancelled job (~10-20 s here).
+        intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 24, server))
         killer.join(5)
 
-    stats = _assert_every_group_once(data, run_id, 12)
+    stats = _assert_every_group_once(data, run_id, 24)
     assert cancelled and cancelled[0] in seen
     after = {s["worker"]["slurm_job_id"] for s in stats} - set(cancelled)
     assert after, "no chunk ran on another job after the cancellation"
