@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact, update_progress_artifact
-from prefect.runtime import flow_run
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
@@ -181,7 +180,6 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     logger = get_run_logger()
     cfg = job_config_model(ref).model_validate(config)
     d = cfg.datagen
-    flow_run_id = str(flow_run.get_id() or "") or None
     store = ShardStore(d.store_root)
     ops = RunOps.start(store, cfg, logger)
     store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
@@ -223,7 +221,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
             logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk, d.target_groups)
             return
         stats = {**grouped.stats(), "chunk": chunk, **sampler.chunk_stats(chunk, grouped),
-                 "flow_run_id": flow_run_id}  # flow_run_id: view-run links to it
+                 "flow_run_id": ops.own_run}  # view-run links to the flow run
         store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
         # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
         # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
