@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -62,11 +63,20 @@ def _joined(sequence: list[int]) -> bytes:
 
 def content_group_id(tokens: list[list[int]], scores: list[float], env_id: int | None) -> str:
     """Name a group by its content, for groups that arrive without factory metadata."""
+    return _content_id(((len(sequence), _joined(sequence)) for sequence in tokens), scores, env_id)
+
+
+def content_group_id_of_texts(token_texts: list[bytes], scores: list[float], env_id: int | None) -> str:
+    """`content_group_id` of tokens given as compact JSON texts of their sequences (b"1,2,3"): the same id."""
+    return _content_id(((text.count(b",") + 1 if text else 0, text) for text in token_texts), scores, env_id)
+
+
+def _content_id(sequences: Iterable[tuple[int, bytes]], scores: list[float], env_id: int | None) -> str:
     digest = hashlib.sha256()
     digest.update(repr(env_id).encode())
-    for sequence in tokens:
-        digest.update(len(sequence).to_bytes(4, "little"))
-        digest.update(_joined(sequence))
+    for length, joined in sequences:
+        digest.update(length.to_bytes(4, "little"))
+        digest.update(joined)
     digest.update(repr([float(s) for s in scores]).encode())
     return digest.hexdigest()[:32]
 

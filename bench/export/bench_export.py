@@ -2,6 +2,7 @@
 
     ATROPOS_VENV=/work/.venv-atropos python -m bench.export.run --groups 1024   # 3 interleaved rounds
     python -m bench.export.run --smoke                                          # seconds (CI)
+    python -m bench.export.run --api --groups 2048    # both CLIs with --api-url against their own run-api: CLI CPU per row
     python -m bench.export.run --memory 100000,1000000    # peak RSS of exports of two sizes
     BENCH_DEDUP=0 python -m bench.export.run --memory ...  # the same without the dedup set
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,6 +76,7 @@ def tiny_tokenizer(directory: Path) -> Path:
 
 
 def run_factory(store: Path, out: Path) -> tuple[float, int]:
+    """The factory's atropos-sft-gen reading the shard store directly."""
     started = time.perf_counter()
     subprocess.run(
         [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", str(out), "--store", str(store),
@@ -94,55 +98,92 @@ def _wait_http(url: str, deadline_s: float = 120) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def run_atropos(wire: list[dict], rows: int, work: Path, port: int, out: Path) -> tuple[float, int]:
-    python = atropos_python()
-    bin_dir = python.parent
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    api = subprocess.Popen([str(bin_dir / "run-api"), "--port", str(port)], env=env, cwd=work,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def export_through_api(api_command: list[str], cli_command: list[str], wire: list[dict], work: Path, port: int,
+                       out: Path, env: dict[str, str]) -> tuple[float, int, float]:
+    """Start a run-api, start an exporter CLI against it, fill the API once the CLI has registered; wait for the CLI.
+
+    Returns (seconds from the first POST to the CLI's exit, rows written, the CLI process's own CPU seconds).
+    """
+    api = subprocess.Popen(api_command, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_http(f"{url}/")
-        cli = subprocess.Popen(
-            [str(bin_dir / "atropos-sft-gen"), str(out), "--api-url", url, "--group-size", str(GROUP_SIZE),
-             "--tokenizer", str(tiny_tokenizer(work / "tok")), "--save-messages", "--save-top-n-per-group", str(TOP_N),
-             "--num-seqs-to-save", str(rows)],
-            env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        cpu_before = _children_cpu_s()
+        cli = subprocess.Popen([*cli_command, str(out), "--api-url", url], env=env, cwd=work,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with httpx.Client(timeout=120) as client:
-            while client.get(f"{url}/info").json().get("batch_size", -1) == -1:  # the CLI resets, then registers
+            while client.get(f"{url}/info").json().get("batch_size", -1) == -1:  # the CLI (resets, then) registers
                 time.sleep(0.05)
             started = time.perf_counter()
             for start in range(0, len(wire), 256):
                 client.post(f"{url}/scored_data_list", json=wire[start : start + 256]).raise_for_status()
         if cli.wait(timeout=3600) != 0:
-            raise RuntimeError("atroposlib's atropos-sft-gen failed")
+            raise RuntimeError(f"{cli_command[0]} failed")
         seconds = time.perf_counter() - started
+        cli_cpu = _children_cpu_s() - cpu_before  # only the CLI was reaped in between
     finally:
         api.terminate()
         api.wait(timeout=30)
-    return seconds, sum(1 for _ in open(out))
+    return seconds, sum(1 for _ in open(out)), cli_cpu
+
+
+def _offline_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def run_atropos(wire: list[dict], rows: int, work: Path, port: int, out: Path) -> tuple[float, int, float]:
+    bin_dir = atropos_python().parent
+    cli = [str(bin_dir / "atropos-sft-gen"), "--group-size", str(GROUP_SIZE), "--tokenizer", str(tiny_tokenizer(work / "tok")),
+           "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows)]
+    return export_through_api([str(bin_dir / "run-api"), "--port", str(port)], cli, wire, work, port, out, _offline_env())
+
+
+def run_factory_api(wire: list[dict], rows: int, work: Path, port: int, out: Path) -> tuple[float, int, float]:
+    """The factory's atropos-sft-gen with --api-url against the factory's run-api (a fresh store each time)."""
+    store = Path(tempfile.mkdtemp(prefix="api-store-", dir=work))
+    api = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1", "--store_root", str(store),
+           "--log_level", "warning"]
+    cli = [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", "--group-size", str(GROUP_SIZE),
+           "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows), "--no-dedup", "--quiet"]
+    env = {**_offline_env(), "PYTHONPATH": str(ROOT)}
+    try:
+        return export_through_api(api, cli, wire, work, port, out, env)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def _side(run, rows: int, out: Path):
     """A harness side: one export into a fresh `out`; rows/s, and the row count checked against the expected."""
     def measure() -> dict:
         out.unlink(missing_ok=True)
-        seconds, written = run(out)
+        seconds, written, *cli_cpu = run(out)
         if written != rows:
             raise RuntimeError(f"{out.name}: wrote {written} rows, expected {rows}")
-        return {"rows/s": written / seconds, "seconds": seconds}
+        result = {"rows/s": written / seconds, "seconds": seconds}
+        if cli_cpu:
+            result["CLI CPU ms per row"] = 1000 * cli_cpu[0] / written
+        return result
     return measure
 
 
-def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool) -> None:
+def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool, through_api: bool = False) -> None:
     """Both exporters in interleaved rounds over the same groups (atroposlib's the baseline)."""
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         work = Path(tmp)
         wire = make_store(work / "store", groups)
         rows = expected_rows(wire)
-        sides = [harness.Side("factory atropos-sft-gen (shard store)",
-                              _side(lambda out: run_factory(work / "store", out), rows, work / "factory_sft.jsonl"))]
+        if through_api:
+            sides = [harness.Side("factory atropos-sft-gen --api-url (factory run-api)",
+                                  _side(lambda out: run_factory_api(wire, rows, work, free_port(), out), rows,
+                                        work / "factory_sft.jsonl"))]
+        else:
+            sides = [harness.Side("factory atropos-sft-gen (shard store)",
+                                  _side(lambda out: run_factory(work / "store", out), rows, work / "factory_sft.jsonl"))]
         if with_atropos:
             sides.insert(0, harness.Side("atroposlib 0.4.0 atropos-sft-gen (run-api)",
                                          _side(lambda out: run_atropos(wire, rows, work, free_port(), out), rows,
@@ -195,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups", type=int, default=1024, help="Groups for the side-by-side run (a multiple of 64).")
     parser.add_argument("--memory", default=None, help="Comma-separated store sizes (groups) for the peak-RSS run.")
     parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's exporter")
+    parser.add_argument("--api", action="store_true", help="the factory's CLI reads through its run-api (--api-url), as Atropos's does")
     parser.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
     harness.add_bench_args(parser)
     args = parser.parse_args(argv)
@@ -211,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory:
         memory([int(s) for s in args.memory.split(",")])
     else:
-        speed(args.groups, pairs=harness.pairs_from(args), json_out=harness.json_path("export", args),
-              with_atropos=with_atropos)
+        speed(args.groups, pairs=harness.pairs_from(args), json_out=harness.json_path("export-api" if args.api else "export", args),
+              with_atropos=with_atropos, through_api=args.api)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from environments.groups import MASK_IGNORE, content_group_id
+from environments.groups import MASK_IGNORE, content_group_id, content_group_id_of_texts
 from factory.export.config import SourceConfig
 from factory.store import ShardStore
 
@@ -44,12 +45,14 @@ class ExportGroup:
     seq_lens: list[int]
     completion_lens: list[int]
     _messages: Any = None
-    _messages_json: str | None = None
+    _messages_json: str | bytes | None = None
     _tokens: list[list[int]] | None = None
     _masks: list[list[int]] | None = None
+    _token_texts: list[bytes] | None = None
+    _mask_texts: list[bytes] | None = None
     _arrow_row: tuple[pa.Array, pa.Array, int] | None = None
     _images: Any = None
-    _images_json: str | None = None
+    _images_json: str | bytes | None = None
 
     @property
     def messages(self) -> list[list[dict[str, Any]]] | None:
@@ -69,6 +72,8 @@ class ExportGroup:
     def tokens(self, index: int) -> list[int]:
         if self._tokens is not None:
             return self._tokens[index]
+        if self._token_texts is not None:
+            return orjson.loads(b"[" + self._token_texts[index] + b"]")
         if self._arrow_row is None:
             raise SourceError(f"group {self.group_id} was read without its tokens")
         column, _, row = self._arrow_row
@@ -77,6 +82,8 @@ class ExportGroup:
     def masks(self, index: int) -> list[int]:
         if self._masks is not None:
             return self._masks[index]
+        if self._mask_texts is not None:
+            return orjson.loads(b"[" + self._mask_texts[index] + b"]")
         if self._arrow_row is None:
             raise SourceError(f"group {self.group_id} was read without its masks")
         _, column, row = self._arrow_row
@@ -187,6 +194,100 @@ def group_from_wire(data: dict[str, Any]) -> ExportGroup:
     )
 
 
+_NULL = msgspec.Raw(b"null")
+_WHITESPACE = b" \t\r\n"
+_INT_LIST_BYTES = b"0123456789,-[]"
+_IGNORED = str(MASK_IGNORE).encode()
+
+
+class _BatchGroup(msgspec.Struct):
+    """A /batch group with its number lists kept as JSON text: the exporter needs their lengths (and, for the
+    rows it keeps, maybe their values), so they are not turned into Python ints up front."""
+
+    tokens: msgspec.Raw
+    masks: msgspec.Raw
+    scores: list[float]
+    messages: msgspec.Raw = _NULL
+    images: msgspec.Raw = _NULL
+    env_id: int | None = None
+    group_id: str | None = None
+    env: str | None = None
+    run_id: str | None = None
+    item_key: str | None = None
+
+
+class _Batch(msgspec.Struct):
+    batch: list[_BatchGroup] | None = None
+
+
+_BATCH = msgspec.json.Decoder(_Batch, strict=False)
+
+
+def _int_texts(raw: msgspec.Raw) -> list[bytes] | None:
+    """`[[1,2],[3]]` as [b"1,2", b"3"] (each sequence's numbers as compact JSON text), or None unless the value is
+    a list of lists of plain integers."""
+    compact = bytes(raw).translate(None, _WHITESPACE)
+    if compact.translate(None, _INT_LIST_BYTES) or not compact.startswith(b"[") or not compact.endswith(b"]"):
+        return None
+    if b"-0," in compact or b"-0]" in compact:  # "-0" is written "0" by the slow way: keep the ids equal
+        return None
+    inner = compact[1:-1]
+    if not inner:
+        return []
+    if not (inner.startswith(b"[") and inner.endswith(b"]")):
+        return None
+    return inner[1:-1].split(b"],[")
+
+
+def _count(text: bytes) -> int:
+    return text.count(b",") + 1 if text else 0
+
+
+def _trained(text: bytes) -> int:
+    """Entries of a compact int list text that are not MASK_IGNORE."""
+    ignored = text.count(_IGNORED + b",") + (1 if text == _IGNORED or text.endswith(b"," + _IGNORED) else 0)
+    return _count(text) - ignored
+
+
+def groups_from_batch_json(body: bytes) -> list[ExportGroup] | None:
+    """The groups of a /batch response body (None when it has no batch), without parsing token values.
+
+    Lengths come from the number texts, and a group without a group_id is named by `content_group_id` over
+    the same bytes (so the ids match groups parsed the slow way). A group whose tokens or masks are not
+    plain integer lists takes the slow way, through Python objects.
+    """
+    try:
+        batch = _BATCH.decode(body).batch
+    except msgspec.DecodeError as error:
+        raise SourceError(f"/batch answered something that is not an Atropos batch: {error}") from None
+    if batch is None:
+        return None
+    groups = []
+    for wire in batch:
+        tokens, masks = _int_texts(wire.tokens), _int_texts(wire.masks)
+        if tokens is None or masks is None:
+            data = {"tokens": orjson.loads(bytes(wire.tokens)), "masks": orjson.loads(bytes(wire.masks)), "scores": wire.scores,
+                    "messages": orjson.loads(bytes(wire.messages)), "images": orjson.loads(bytes(wire.images)),
+                    "env_id": wire.env_id, "group_id": wire.group_id, "env": wire.env, "run_id": wire.run_id,
+                    "item_key": wire.item_key}
+            groups.append(group_from_wire(data))
+            continue
+        groups.append(ExportGroup(
+            group_id=wire.group_id or content_group_id_of_texts(tokens, wire.scores, wire.env_id),
+            env=wire.env or (f"env-{wire.env_id}" if wire.env_id is not None else ""),
+            run_id=wire.run_id or "",
+            item_key=wire.item_key or "",
+            scores=wire.scores,
+            seq_lens=[_count(text) for text in tokens],
+            completion_lens=[_trained(text) for text in masks],
+            _messages_json=None if wire.messages == _NULL else bytes(wire.messages),
+            _images_json=None if wire.images == _NULL else bytes(wire.images),
+            _token_texts=tokens,
+            _mask_texts=masks,
+        ))
+    return groups
+
+
 def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) -> Iterator[ExportGroup]:
     """Register as a trainer with the batching API, then yield groups from GET /batch until it stays empty.
 
@@ -213,8 +314,7 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
         envs = set(config.envs)
         idle_since = time.monotonic()
         while True:
-            payload = _call(client, "GET", f"{url}/batch")
-            batch = payload.get("batch") if isinstance(payload, dict) else None
+            batch = _get_batch(client, f"{url}/batch")
             if not batch:
                 if time.monotonic() - idle_since > config.api_idle_timeout_s:
                     logger.info("no batch from %s for %.0f s; export done", url, config.api_idle_timeout_s)
@@ -222,8 +322,7 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
                 time.sleep(config.api_poll_s)
                 continue
             idle_since = time.monotonic()
-            for data in batch:
-                group = group_from_wire(data)
+            for group in batch:
                 if not envs or group.env in envs:
                     yield group
     finally:
@@ -242,6 +341,18 @@ def _call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> Any:
         return orjson.loads(response.content)  # ~3x faster than response.json() on /batch's token lists
     except orjson.JSONDecodeError:
         return response.text
+
+
+def _get_batch(client: httpx.Client, url: str) -> list[ExportGroup] | None:
+    # An API on this machine gets asked for plain JSON: gzip would only cost CPU on both ends.
+    local = httpx.URL(url).host in ("127.0.0.1", "localhost", "::1")
+    try:
+        response = client.get(url, headers={"Accept-Encoding": "identity"} if local else None)
+    except httpx.HTTPError as error:
+        raise SourceError(f"cannot reach the batching API at {url}: {error}; is run-api up at source.api_url?") from error
+    if response.status_code >= 400:
+        raise SourceError(f"GET {url} answered {response.status_code}: {response.text[:300]}")
+    return groups_from_batch_json(response.content)
 
 
 def iter_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iterator[ExportGroup]:

@@ -19,6 +19,7 @@ Where this differs from Atropos 0.4.0 (on purpose):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import logging
 import math
@@ -34,7 +35,7 @@ import pyarrow.parquet as pq
 from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
-from factory.serve.ingest import GroupCommitter, limit_allocator_growth
+from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
@@ -122,6 +123,7 @@ class BatchService:
             self._on_commit,
             max_groups=self.config.commit_max_groups,
             row_group_groups=self.config.ingest_row_group_groups,
+            linger_s=self.config.commit_linger_ms / 1000,
         )
         self.committer.start()
         self._follow_task = asyncio.create_task(self._follow(), name="store-follower")
@@ -214,7 +216,13 @@ class BatchService:
         await self._submit(future, mine, lambda: groups_to_record_batch(groups) if groups else None, fresh)
         return len(groups)
 
-    async def ingest_wire(self, parsed: WireGroups) -> int:
+    def arriving(self) -> Any:
+        """Context of a post whose body is being decoded: the next commit lingers for it (see ingest.py)."""
+        if self.committer is None:
+            return contextlib.nullcontext(None)
+        return self.committer.arriving()
+
+    async def ingest_wire(self, parsed: WireGroups, arrival: Arrival | None = None) -> int:
         """Store posted groups (decoded by `wire.decode_groups`) and return once they are committed.
 
         Only groups with a client-given identity (group_id or Idempotency-Key)
@@ -244,7 +252,7 @@ class BatchService:
                     return None
                 return to_record_batch(decoded, ids, run_id=self.config.ingest_run, envs=envs, versions=versions)
 
-        await self._submit(future, mine, build, claims)
+        await self._submit(future, mine, build, claims, arrival)
         if unaligned:
             self.unaligned.update(unaligned)
             self.state.put(unaligned=dict(self.unaligned))
@@ -275,14 +283,16 @@ class BatchService:
             self._inflight[group_id] = future
         return claims, future, mine
 
-    async def _submit(self, future: asyncio.Future[None], mine: set[str], build: Any, claims: list[Any]) -> None:
+    async def _submit(
+        self, future: asyncio.Future[None], mine: set[str], build: Any, claims: list[Any], arrival: Arrival | None = None
+    ) -> None:
         """Build this request's rows (in a thread), commit them, then wait for in-flight commits of its duplicates."""
         try:
             if self.committer is None:
                 raise RuntimeError("the service is not started")
             rows = await asyncio.to_thread(build)
             if rows is not None:
-                await self.committer.submit(rows)
+                await self.committer.submit(rows, arrival)
             if not future.done():
                 future.set_result(None)
         except BaseException as error:
