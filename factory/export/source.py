@@ -226,7 +226,9 @@ _BATCH = msgspec.json.Decoder(_Batch, strict=False)
 def _int_texts(raw: msgspec.Raw) -> list[bytes] | None:
     """`[[1,2],[3]]` as [b"1,2", b"3"] (each sequence's numbers as compact JSON text), or None unless the value is
     a list of lists of plain integers."""
-    compact = bytes(raw).translate(None, _WHITESPACE)
+    compact = bytes(raw)
+    if b" " in compact or b"\n" in compact or b"\t" in compact or b"\r" in compact:  # not compact JSON (Atropos's has ", ")
+        compact = compact.translate(None, _WHITESPACE)
     if compact.translate(None, _INT_LIST_BYTES) or not compact.startswith(b"[") or not compact.endswith(b"]"):
         return None
     if b"-0," in compact or b"-0]" in compact:  # "-0" is written "0" by the slow way: keep the ids equal
