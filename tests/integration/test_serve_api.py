@@ -167,6 +167,27 @@ def test_bearer_token_required(api):
     assert httpx.get(api.url + "/status", headers=AUTH).status_code == 200
 
 
+def test_posts_get_the_same_answers_on_the_fast_path_and_through_cors(http):
+    """Posts without an Origin header are answered beside FastAPI (FastPosts); a browser's go through the full
+    stack for its CORS headers. Both check the token, gunzip, refuse bad bodies the same way and store the groups."""
+    url = str(http.base_url).rstrip("/") + "/scored_data"
+    group = wire(1, group_size=4, seq_len=8)[0]
+    body = gzip.compress(orjson.dumps(group))
+    for origin in ({}, {"Origin": "http://example.org"}):
+        gz = {**origin, "Content-Encoding": "gzip", "Content-Type": "application/json"}
+        assert httpx.post(url, content=body, headers=gz).status_code == 401
+        assert httpx.post(url, content=body, headers={**gz, "Authorization": "Bearer wrong"}).status_code == 401
+        reply = httpx.post(url, content=body, headers={**gz, **AUTH})
+        assert reply.status_code == 200 and reply.json() == {"status": "received"}
+        if origin:
+            assert reply.headers["access-control-allow-origin"] in ("*", "http://example.org")
+        assert httpx.post(url, content=b"\x1f\x8bnot gzip", headers={**gz, **AUTH}).status_code == 400
+        assert httpx.post(url, content=b"{", headers={**origin, **AUTH}).status_code == 422
+        many = httpx.post(url + "_list", content=gzip.compress(orjson.dumps([group, group])), headers={**gz, **AUTH})
+        assert many.json() == {"status": "received", "groups_processed": 2}
+    assert http.get("/status").json()["queue_size"] == 6
+
+
 def test_reset_data(http):
     start_training(http)
     http.post("/scored_data", json=wire(1, group_size=4, seq_len=8)[0])

@@ -1,0 +1,99 @@
+"""GroupCommitter: a commit lingers for posts that are still being decoded, never for nobody, never past linger_s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from factory.schema import groups_to_record_batch
+from factory.serve.ingest import GroupCommitter
+from factory.store import ShardStore
+from factory.synthetic import synthetic_groups
+
+
+def _rows(count: int, seed: int):
+    return groups_to_record_batch(synthetic_groups(count, group_size=2, seq_len=8, seed=seed))
+
+
+async def _committer(tmp_path, linger_s: float) -> tuple[GroupCommitter, list[int]]:
+    shard_sizes: list[int] = []
+    committer = GroupCommitter(ShardStore(tmp_path), "api", "api", lambda record, rows: shard_sizes.append(rows.num_rows),
+                               linger_s=linger_s)
+    committer.start()
+    return committer, shard_sizes
+
+
+def test_posts_being_decoded_share_one_shard(tmp_path):
+    async def scenario() -> list[int]:
+        committer, shards = await _committer(tmp_path, linger_s=5.0)
+
+        async def post(seed: int, decode_s: float) -> None:
+            with committer.arriving() as arrival:
+                await asyncio.sleep(decode_s)  # the body is being decoded
+                await committer.submit(_rows(1, seed), arrival)
+
+        await asyncio.gather(post(1, 0.0), post(2, 0.05), post(3, 0.1))
+        await committer.stop()
+        return shards
+
+    assert asyncio.run(scenario()) == [3]
+
+
+def test_a_lone_post_does_not_wait_and_a_failed_decode_releases_the_commit(tmp_path):
+    async def scenario() -> tuple[float, float, list[int]]:
+        committer, shards = await _committer(tmp_path, linger_s=5.0)
+        started = time.perf_counter()
+        with committer.arriving() as arrival:
+            await committer.submit(_rows(2, 1), arrival)
+        lone = time.perf_counter() - started
+
+        async def failing() -> None:
+            try:
+                with committer.arriving():
+                    await asyncio.sleep(0.05)
+                    raise ValueError("bad body")
+            except ValueError:
+                pass
+
+        async def good() -> None:
+            with committer.arriving() as arrival:
+                await committer.submit(_rows(1, 2), arrival)
+
+        started = time.perf_counter()
+        await asyncio.gather(failing(), good())
+        after_failure = time.perf_counter() - started
+        await committer.stop()
+        return lone, after_failure, shards
+
+    lone, after_failure, shards = asyncio.run(scenario())
+    assert lone < 1.0 and after_failure < 1.0  # nowhere near linger_s
+    assert shards == [2, 1]
+
+
+def test_linger_is_bounded(tmp_path):
+    async def scenario() -> tuple[float, list[int]]:
+        committer, shards = await _committer(tmp_path, linger_s=0.2)
+        slow_done = asyncio.Event()
+
+        async def slow() -> None:
+            with committer.arriving() as arrival:
+                await slow_done.wait()
+                await committer.submit(_rows(1, 3), arrival)
+
+        async def quick() -> float:
+            started = time.perf_counter()
+            with committer.arriving() as arrival:
+                await committer.submit(_rows(1, 4), arrival)
+            return time.perf_counter() - started
+
+        slow_task = asyncio.create_task(slow())
+        await asyncio.sleep(0)
+        waited = await quick()
+        slow_done.set()
+        await slow_task
+        await committer.stop()
+        return waited, shards
+
+    waited, shards = asyncio.run(scenario())
+    assert 0.15 <= waited < 2.0
+    assert shards == [1, 1]
