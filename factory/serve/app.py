@@ -308,8 +308,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         await service.reset()
         return PlainTextResponse("Reset successful", status_code=200)
 
-    # Outermost: the hot posts skip routing, CORS and FastAPI's per-request work (a third of ingest's CPU at
-    # one group per request); browsers' posts (Origin header) still get the full stack and its CORS headers.
+    # Outermost: the hot posts skip routing, CORS and FastAPI's per-request work (envs post every group, often one
+    # per request); browsers' posts (Origin header) still get the full stack and its CORS headers.
     app.add_middleware(FastPosts, handlers={"/scored_data": post_one, "/scored_data_list": post_many},
                        token=config.api_token, max_body_bytes=max_body)
     return app
