@@ -301,7 +301,7 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
     client = client or httpx.Client(timeout=60.0)
     try:
         if config.api_reset_first:
-            _call(client, "GET", f"{url}/reset_data")
+            _request(client, "GET", f"{url}/reset_data")
         registration = {
             "wandb_group": "export",
             "wandb_project": "export",
@@ -312,11 +312,14 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
             "starting_step": 0,
             "num_steps": 1_000_000,
         }
-        _call(client, "POST", f"{url}/register", json=registration)
+        _request(client, "POST", f"{url}/register", json=registration)
+        # An API on this machine gets asked for plain JSON: gzip would only cost CPU on both ends.
+        local = httpx.URL(url).host in ("127.0.0.1", "localhost", "::1")
+        batch_headers = {"Accept-Encoding": "identity"} if local else None
         envs = set(config.envs)
         idle_since = time.monotonic()
         while True:
-            batch = _get_batch(client, f"{url}/batch")
+            batch = groups_from_batch_json(_request(client, "GET", f"{url}/batch", headers=batch_headers).content)
             if not batch:
                 if time.monotonic() - idle_since > config.api_idle_timeout_s:
                     logger.info("no batch from %s for %.0f s; export done", url, config.api_idle_timeout_s)
@@ -332,29 +335,14 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
             client.close()
 
 
-def _call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> Any:
+def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
     try:
         response = client.request(method, url, **kwargs)
     except httpx.HTTPError as error:
         raise SourceError(f"cannot reach the batching API at {url}: {error}; is run-api up at source.api_url?") from error
     if response.status_code >= 400:
         raise SourceError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
-    try:
-        return orjson.loads(response.content)  # ~3x faster than response.json() on /batch's token lists
-    except orjson.JSONDecodeError:
-        return response.text
-
-
-def _get_batch(client: httpx.Client, url: str) -> list[ExportGroup] | None:
-    # An API on this machine gets asked for plain JSON: gzip would only cost CPU on both ends.
-    local = httpx.URL(url).host in ("127.0.0.1", "localhost", "::1")
-    try:
-        response = client.get(url, headers={"Accept-Encoding": "identity"} if local else None)
-    except httpx.HTTPError as error:
-        raise SourceError(f"cannot reach the batching API at {url}: {error}; is run-api up at source.api_url?") from error
-    if response.status_code >= 400:
-        raise SourceError(f"GET {url} answered {response.status_code}: {response.text[:300]}")
-    return groups_from_batch_json(response.content)
+    return response
 
 
 def iter_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iterator[ExportGroup]:

@@ -10,6 +10,7 @@ naming the field; FastAPI's own models give its usual 422 detail list.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -245,7 +246,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         """Store a /scored_data(_list) body (gzipped or not); the 200 comes once its groups are durable."""
         try:
             async with budget.reserve(gzip_size_hint(body, max_body) if gzipped else len(body)):
-                count = await store_groups(body, gzipped, key, many)
+                with service.arriving() as arrival:  # the next commit lingers for this body while it is decoded
+                    count = await store_groups(body, gzipped, key, many, arrival)
         except Overloaded as error:
             return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json",
                             headers={"Retry-After": str(max(1, round(error.retry_after_s)))})
@@ -254,11 +256,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         return Response(orjson.dumps({"status": "received", "groups_processed": count} if many else {"status": "received"}),
                         media_type="application/json")
 
-    async def store_groups(body: bytes, gzipped: bool, key: str | None, many: bool) -> Response | int:
-        with service.arriving() as arrival:
-            return await decode_and_store(body, gzipped, key, many, arrival)
-
-    async def decode_and_store(body: bytes, gzipped: bool, key: str | None, many: bool, arrival: Any) -> Response | int:
+    async def store_groups(body: bytes, gzipped: bool, key: str | None, many: bool, arrival: Any) -> Response | int:
         try:
             parsed = await asyncio.get_running_loop().run_in_executor(decoder, decode, body, gzipped, key, many)
         except BodyError as error:
@@ -287,11 +285,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
             )
         return count
 
-    async def post_one(body: bytes, gzipped: bool, key: str | None) -> Response:
-        return await ingest(body, gzipped, key, many=False)
-
-    async def post_many(body: bytes, gzipped: bool, key: str | None) -> Response:
-        return await ingest(body, gzipped, key, many=True)
+    post_one, post_many = functools.partial(ingest, many=False), functools.partial(ingest, many=True)
 
     # Requests that reach these routes come through RequestGuard, which has already un-gzipped the body;
     # most never do: FastPosts answers them first (see below).
