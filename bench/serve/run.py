@@ -5,6 +5,7 @@
     ATROPOS_VENV=/work/.venv-atropos python -m bench.serve.run   # where the atroposlib venv already is
     python -m bench.serve.run --smoke        # seconds: tiny load, one pair (ours only if the Atropos venv is absent)
     python -m bench.serve.run --rss 1000,10000   # ours: server RSS after ingesting that many groups (8 clients, 64/request)
+    python -m bench.serve.run --queue-rss 10000,100000   # ours: server RSS with that many groups queued from a followed run
 
 Load per server start: groups of 8 sequences x 1024 tokens (tokens, masks,
 inference logprobs, messages), all distinct, posted by 8 concurrent clients
@@ -36,6 +37,7 @@ import psutil
 from bench.atropos_venv import DEFAULT_VENV, atropos_available
 from bench.harness import Side, add_bench_args, compare, json_path, pairs_from, print_comparison
 from factory.serve.client import ApiProcess, EnvClient, TrainerClient
+from factory.store import ShardStore
 from factory.synthetic import synthetic_groups
 from tests.conftest import free_port
 
@@ -177,6 +179,26 @@ def rss_curve(counts: list[int], seq_len: int = SEQ_LEN) -> None:
                 print(f"| {done} | {rss_mib(api.process.pid):.0f} | {peak:.0f} | {time.perf_counter() - started:.0f} |", flush=True)
 
 
+def queue_rss(counts: list[int]) -> None:
+    """Ours: server RSS with many groups queued from a followed run (the queue is an index, so group size does not matter)."""
+    groups = list(synthetic_groups(1000, group_size=GROUP_SIZE, seq_len=16))
+    with tempfile.TemporaryDirectory(prefix="bench-serve-queue-") as root:
+        store = ShardStore(root)
+        port = free_port()
+        command = [*ours_command(port, root), "--follow_runs", "[gen]"]
+        with ApiProcess(command, port, log_path=str(Path(root) / "api.log")) as api:
+            print("| queued groups | server RSS MiB |\n|---:|---:|")
+            print(f"| 0 | {rss_mib(api.process.pid):.0f} |")
+            chunk = 0
+            for target in counts:
+                while chunk * len(groups) < target:
+                    store.commit("gen", "w", chunk, groups)
+                    chunk += 1
+                while httpx.get(api.url + "/status").json()["queue_size"] < target:
+                    time.sleep(0.2)
+                print(f"| {chunk * len(groups)} | {rss_mib(api.process.pid):.0f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_args(parser)
@@ -184,9 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-atropos", action="store_true")
     parser.add_argument("--rss", default=None, help="comma-separated group counts: ours' RSS curve instead of the comparison")
+    parser.add_argument("--queue-rss", default=None, help="comma-separated queued-group counts: ours' RSS with that many queued")
     args = parser.parse_args(argv)
     if args.rss:
         rss_curve([int(c) for c in args.rss.split(",")])
+        return
+    if args.queue_rss:
+        queue_rss([int(c) for c in args.queue_rss.split(",")])
         return
     n_list, n_batches = (64, 2) if args.smoke else (args.groups, args.batches)
     n_single = 16 if args.smoke else max(64, n_list // 2)
