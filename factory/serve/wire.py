@@ -27,10 +27,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
+import numpy as np
 import orjson
 import pyarrow as pa
 
 from factory.schema import GROUP_SCHEMA
+from factory.serve import numjson
 
 _NULL = msgspec.Raw(b"null")
 JSON_TEXT_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
@@ -153,32 +155,20 @@ def _json_len(raw: msgspec.Raw) -> int | None:
     return len(value) if isinstance(value, list) else None
 
 
-def unaligned_fields(group: WireGroup) -> list[str]:
-    """Fields whose lengths don't match `tokens` (per sequence, or per token), in SEQUENCE_FIELDS order."""
-    size = len(group.tokens)
-    lengths = [len(sequence) for sequence in group.tokens]
-    found = []
-    for name in SEQUENCE_FIELDS:
-        if name in JSON_TEXT_FIELDS:
-            if (n := _json_len(getattr(group, name))) is not None and n != size:
-                found.append(name)
-            continue
-        value = getattr(group, name)
-        if value is None:
-            continue
-        if len(value) != size or (name in TOKEN_FIELDS and any(len(v) != n for v, n in zip(value, lengths))):
-            found.append(name)
-    return found
-
-
 def decode_groups(
     body: bytes, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False, run_id: str = ""
 ) -> WireGroups:
     """Decode and check a /scored_data (one object) or /scored_data_list (a list) body; raises WireError.
 
     With `build`, the groups are also turned into Arrow rows (`rows`) and the decoded Python lists are dropped,
-    all in the caller's thread (the API calls this in a worker thread).
+    all in the caller's thread (the API calls this in a worker thread). Where numjson is available, `build`
+    first tries the native path (numeric lists parsed straight into buffers, without the GIL); a body it does
+    not take (anything but plain numbers, or a problem to report) goes the general way, which decides.
     """
+    if build and numjson.available():
+        parsed = _decode_native(body, many=many, strict=strict, idempotency_key=idempotency_key, run_id=run_id)
+        if parsed is not None:
+            return parsed
     try:
         groups = _MANY.decode(body) if many else [_ONE.decode(body)]
     except msgspec.ValidationError as error:
@@ -186,12 +176,53 @@ def decode_groups(
         return _raise([_problem("type_error", _msgspec_loc(message), message.split(" - at ")[0])])
     except msgspec.DecodeError as error:
         return _raise([_problem("json_invalid", [], f"body is not valid JSON: {error}")])
+    shapes = [_shapes_of_lists(group) for group in groups]
+    parsed = _checked(groups, shapes, many=many, strict=strict, idempotency_key=idempotency_key)
+    if build:
+        parsed.rows = to_record_batch(groups, parsed.ids, run_id=run_id, envs=[g.env or "" for g in groups],
+                                      versions=[g.policy_version or 0 for g in groups])
+        parsed.groups = []
+    return parsed
+
+
+_Shape = tuple[int, Any]
+"""A numeric field's shape: (sequences, per-sequence lengths as a sequence of ints or None where not per token)."""
+
+
+def _shapes_of_lists(group: WireGroup) -> dict[str, _Shape | None]:
+    shapes: dict[str, _Shape | None] = {"scores": (len(group.scores), None)}
+    for name in ("tokens", *TOKEN_FIELDS):
+        value = getattr(group, name)
+        shapes[name] = None if value is None else (len(value), [len(v) for v in value])
+    return shapes
+
+
+def _misfits(group: Any, shapes: dict[str, _Shape | None]) -> list[str]:
+    """Fields whose lengths don't match `tokens` (per sequence, or per token), in SEQUENCE_FIELDS order."""
+    size, lengths = shapes["tokens"]
+    found = []
+    for name in SEQUENCE_FIELDS:
+        if name in JSON_TEXT_FIELDS:
+            if (n := _json_len(getattr(group, name))) is not None and n != size:
+                found.append(name)
+            continue
+        shape = shapes[name]
+        if shape is None:
+            continue
+        if shape[0] != size or (name in TOKEN_FIELDS and not np.array_equal(shape[1], lengths)):
+            found.append(name)
+    return found
+
+
+def _checked(groups: list[Any], shapes: list[dict[str, _Shape | None]], *, many: bool, strict: bool,
+             idempotency_key: str | None) -> WireGroups:
+    """Atropos's checks of decoded groups (raising WireError), their identities and unaligned fields."""
     problems: list[dict[str, Any]] = []
     unaligned: Counter[str] = Counter()
     ids, identified, by_group = [], [], []
-    for index, group in enumerate(groups):
+    for index, (group, shape) in enumerate(zip(groups, shapes)):
         loc: list[Any] = [index] if many else []
-        if not group.tokens:
+        if not shape["tokens"][0]:
             problems.append(_problem("too_short", [*loc, "tokens"], "tokens: a group needs at least one sequence"))
         if group.policy_version is not None and group.policy_version < 0:
             problems.append(_problem("greater_than_equal", [*loc, "policy_version"], "policy_version must be >= 0"))
@@ -199,7 +230,7 @@ def decode_groups(
             _check_json_fields(group, loc, problems)
         except orjson.JSONDecodeError as error:  # pragma: no cover - msgspec already checked the JSON
             problems.append(_problem("json_invalid", loc, str(error)))
-        misfits = unaligned_fields(group)
+        misfits = _misfits(group, shape)
         by_group.append(misfits)
         for name in misfits:
             if strict:
@@ -216,16 +247,95 @@ def decode_groups(
             identified.append(False)
     if problems:
         _raise(problems)
-    parsed = WireGroups(
+    return WireGroups(
         groups, ids, identified, unaligned, by_group,
-        sizes=[len(g.tokens) for g in groups], env_ids=[g.env_id for g in groups],
+        sizes=[s["tokens"][0] for s in shapes], env_ids=[g.env_id for g in groups],
         envs=[g.env or None for g in groups], versions=[g.policy_version for g in groups],
     )
-    if build:
-        parsed.rows = to_record_batch(groups, ids, run_id=run_id, envs=[g.env or "" for g in groups],
-                                      versions=[g.policy_version or 0 for g in groups])
-        parsed.groups = []
+
+
+class _TextGroup(msgspec.Struct):
+    """WireGroup with its 2-D numeric lists kept as JSON text, for numjson to parse."""
+
+    tokens: msgspec.Raw
+    masks: msgspec.Raw
+    scores: list[float]
+    advantages: msgspec.Raw = _NULL
+    ref_logprobs: msgspec.Raw = _NULL
+    messages: msgspec.Raw = _NULL
+    generation_params: msgspec.Raw = _NULL
+    inference_logprobs: msgspec.Raw = _NULL
+    overrides: msgspec.Raw = _NULL
+    group_overrides: msgspec.Raw = _NULL
+    images: msgspec.Raw = _NULL
+    env_id: int | None = None
+    distill_token_ids: list[list[list[int]]] | None = None
+    distill_logprobs: list[list[list[float]]] | None = None
+    group_id: str | None = None
+    env: str | None = None
+    item_key: str | None = None
+    policy_version: int | None = None
+
+
+_TEXT_ONE = msgspec.json.Decoder(_TextGroup, strict=False)
+_TEXT_MANY = msgspec.json.Decoder(list[_TextGroup], strict=False)
+_NATIVE_INTEGERS = {"tokens": True, "masks": True, "advantages": False, "ref_logprobs": False, "inference_logprobs": False}
+_Parsed = tuple[np.ndarray, np.ndarray]
+
+
+def _decode_native(body: bytes, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str) -> WireGroups | None:
+    """decode_groups(build=True) with numjson, or None where the general path must decide."""
+    try:
+        groups = _TEXT_MANY.decode(body) if many else [_TEXT_ONE.decode(body)]
+    except msgspec.DecodeError:  # ValidationError included: the general path names the problem
+        return None
+    parsed_groups: list[dict[str, _Parsed | None]] = []
+    for group in groups:
+        fields: dict[str, _Parsed | None] = {}
+        for name, integers in _NATIVE_INTEGERS.items():
+            raw = getattr(group, name)
+            if raw == _NULL and name not in ("tokens", "masks"):
+                fields[name] = None
+                continue
+            fields[name] = numjson.read_2d(bytes(raw), integers)
+            if fields[name] is None:
+                return None
+        parsed_groups.append(fields)
+    shapes = []
+    for group, fields in zip(groups, parsed_groups):
+        shape: dict[str, _Shape | None] = {"scores": (len(group.scores), None)}
+        for name, value in fields.items():
+            shape[name] = None if value is None else (len(value[1]), value[1])
+        for name in ("distill_token_ids", "distill_logprobs"):
+            value = getattr(group, name)
+            shape[name] = None if value is None else (len(value), [len(v) for v in value])
+        shapes.append(shape)
+    try:
+        parsed = _checked(groups, shapes, many=many, strict=strict, idempotency_key=idempotency_key)
+    except WireError:
+        return None
+    try:
+        lists = {name: _native_list_2d([fields[name] for fields in parsed_groups], pa.int32() if integers else pa.float64())
+                 for name, integers in _NATIVE_INTEGERS.items()}
+        parsed.rows = _build_rows(groups, parsed.ids, parsed.sizes, lists, run_id=run_id,
+                                  envs=[g.env or "" for g in groups], versions=[g.policy_version or 0 for g in groups])
+    except (pa.ArrowInvalid, OverflowError, TypeError):
+        return None
+    parsed.groups = []
     return parsed
+
+
+def _native_list_2d(rows: list[_Parsed | None], value_type: pa.DataType) -> pa.Array:
+    """list<list<value_type>> from numjson's (values, lengths) per group (None rows are null)."""
+    if all(row is None for row in rows):
+        return pa.nulls(len(rows), pa.list_(pa.list_(value_type)))
+    present = [row for row in rows if row is not None]
+    values = np.concatenate([row[0] for row in present]) if len(present) > 1 else present[0][0]
+    inner_offsets = np.zeros(sum(len(row[1]) for row in present) + 1, dtype=np.int32)
+    np.cumsum(np.concatenate([row[1] for row in present]), out=inner_offsets[1:])
+    inner = pa.ListArray.from_arrays(pa.array(inner_offsets), pa.array(values))
+    mask = pa.array([row is None for row in rows]) if len(present) < len(rows) else None
+    return pa.ListArray.from_arrays(_offsets(len(row[1]) if row is not None else 0 for row in rows), inner, mask=mask)
 
 
 def _raise(problems: list[dict[str, Any]]) -> Any:
@@ -268,12 +378,19 @@ def _text(raw: msgspec.Raw) -> str | None:
 def to_record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs: list[str], versions: list[int]) -> pa.RecordBatch:
     """Rows of GROUP_SCHEMA for decoded groups (env names and policy versions already resolved)."""
     try:
-        return _record_batch(groups, ids, run_id=run_id, envs=envs, versions=versions)
+        lists = {name: _list_2d([getattr(g, name) for g in groups], value_type) for name, value_type in _LIST_2D_TYPES.items()}
+        return _build_rows(groups, ids, [len(g.tokens) for g in groups], lists, run_id=run_id, envs=envs, versions=versions)
     except (pa.ArrowInvalid, OverflowError, TypeError) as error:
         return _raise([_problem("value_error", [], f"a numeric field is out of range for the store: {error}")])
 
 
-def _record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs: list[str], versions: list[int]) -> pa.RecordBatch:
+_LIST_2D_TYPES = {"tokens": pa.int32(), "masks": pa.int32(), "advantages": pa.float64(), "ref_logprobs": pa.float64(),
+                  "inference_logprobs": pa.float64()}
+
+
+def _build_rows(groups: list[Any], ids: list[str], sizes: list[int], lists: dict[str, pa.Array], *, run_id: str,
+                envs: list[str], versions: list[int]) -> pa.RecordBatch:
+    """GROUP_SCHEMA rows from decoded groups whose 2-D numeric columns (`lists`) are already built."""
     now = datetime.now(timezone.utc)
     columns: dict[str, pa.Array] = {
         "group_id": pa.array(ids, pa.string()),
@@ -282,14 +399,11 @@ def _record_batch(groups: list[WireGroup], ids: list[str], *, run_id: str, envs:
         "item_key": pa.array([g.item_key or "" for g in groups], pa.string()),
         "policy_version": pa.array(versions, pa.int64()),
         "created_at": pa.array([now] * len(groups), pa.timestamp("us", tz="UTC")),
-        "group_size": pa.array([len(g.tokens) for g in groups], pa.int32()),
-        "tokens": _list_2d([g.tokens for g in groups], pa.int32()),
-        "masks": _list_2d([g.masks for g in groups], pa.int32()),
+        "group_size": pa.array(sizes, pa.int32()),
         "scores": _flat_list([g.scores for g in groups], pa.float64()),
         "env_id": pa.array([g.env_id for g in groups], pa.int64()),
+        **lists,
     }
-    for name in ("advantages", "ref_logprobs", "inference_logprobs"):
-        columns[name] = _list_2d([getattr(g, name) for g in groups], pa.float64())
     for name in JSON_TEXT_FIELDS:
         texts = [_text(getattr(g, name)) for g in groups]
         columns[name] = pa.array(texts, pa.large_string()) if any(t is not None for t in texts) else pa.nulls(len(groups), pa.large_string())

@@ -1,0 +1,139 @@
+"""The native number reader and the ingest path built on it: the same values and answers as the general path."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import msgspec
+import orjson
+import pytest
+
+from bench.serve.run import make_groups
+from factory.serve import numjson
+from factory.serve.wire import WireError, decode_groups
+
+pytestmark = pytest.mark.skipif(not numjson.available(), reason="no C compiler on this machine")
+
+FLOATS = msgspec.json.Decoder(list[list[float]], strict=False)
+
+
+@pytest.fixture
+def general_path(monkeypatch):
+    """Decode with the pure-Python path, as a machine without a C compiler does."""
+
+    def use(enabled: bool) -> None:
+        monkeypatch.setattr(numjson, "_library", numjson._get() if enabled else None)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("text", "values", "lengths"),
+    [
+        (b"[[1,2,3],[4]]", [1, 2, 3, 4], [3, 1]),
+        (b" [ [ -100 , 7 ] ,\n [ ] , [0] ] ", [-100, 7, 0], [2, 0, 1]),
+        (b"[]", [], []),
+        (b"[[2147483647,-2147483648,-0]]", [2147483647, -2147483648, 0], [3]),
+    ],
+)
+def test_integer_lists_are_read(text, values, lengths):
+    read = numjson.read_2d(text, True)
+    assert read is not None and read[0].tolist() == values and read[1].tolist() == lengths
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"[[2147483648]]", b"[[-2147483649]]", b"[[1.0]]", b"[[1e2]]", b"[[01]]", b'[["3"]]', b"[[null]]", b"[[[1]]]",
+     b"[1,2]", b"[[1,]]", b"[[1],]", b"[[1]] x", b"[[1]", b"", b"null", b"[[-]]", b"[[+1]]"],
+)
+def test_anything_but_plain_int32_lists_is_left_to_the_general_path(text):
+    assert numjson.read_2d(text, True) is None
+
+
+def _random_floats(rng: random.Random, count: int) -> list[str]:
+    """Number texts as JSON writers make them: shortest reprs across magnitudes, float32 values widened, integers,
+    exponents, and hand-picked edge cases."""
+    texts = ["0", "-0", "0.0", "-0.0", "1", "-1", "1.0", "1e5", "1E+2", "2.5e-3", "123456789012345678901234567890",
+             "9007199254740993", "0.1", "1e-290", "1.7976931348623157e290", "4.35", "0.000001", "-1.2618435545998652"]
+    while len(texts) < count:
+        kind = rng.randrange(5)
+        if kind == 0:
+            texts.append(repr(-rng.random() * 10))
+        elif kind == 1:
+            texts.append(repr(struct.unpack("f", struct.pack("f", -rng.random() * 20))[0]))
+        elif kind == 2:
+            texts.append(repr(rng.uniform(-1, 1) * 10 ** rng.randint(-30, 30)))
+        elif kind == 3:
+            texts.append(str(rng.randint(-10**20, 10**20)))
+        else:
+            texts.append(f"{rng.uniform(-10, 10):.{rng.randint(0, 20)}e}")
+    return texts
+
+
+def test_floats_are_bit_identical_to_msgspec():
+    texts = _random_floats(random.Random(7), 20000)
+    text = ("[[" + ",".join(texts[:7000]) + "],[],[" + ", ".join(texts[7000:]) + "]]").encode()
+    read = numjson.read_2d(text, False)
+    assert read is not None
+    expected = [value for row in FLOATS.decode(text) for value in row]
+    got = read[0].tolist()
+    assert read[1].tolist() == [7000, 0, len(texts) - 7000]
+    assert [struct.pack("d", v) for v in got] == [struct.pack("d", v) for v in expected]
+    assert math.copysign(1.0, got[texts.index("-0")]) == 1.0 and math.copysign(1.0, got[texts.index("-0.0")]) == -1.0
+
+
+@pytest.mark.parametrize("text", [b"[[1e400]]", b"[[1e-400]]", b"[[1e291]]", b"[[NaN]]", b"[[Infinity]]", b"[[.5]]",
+                                  b"[[1.]]", b"[[1e]]", b'[["1.5"]]', b"[[1.5,null]]"])
+def test_float_texts_outside_the_plain_range_are_left_to_the_general_path(text):
+    assert numjson.read_2d(text, False) is None
+
+
+def _bodies() -> list[tuple[bytes, bool]]:
+    base = {"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [1.0, 0.0]}
+    loose = [
+        {**base, "messages": [[{"role": "user", "content": "x"}], [{"role": "user", "content": 7}]]},
+        {**base, "advantages": [[0.5]], "ref_logprobs": [[-1.0, -2.0]], "inference_logprobs": [[1.0], [1, 2.5, 3e-2]]},
+        {**base, "advantages": None, "inference_logprobs": [[-0.5, -1.5, -0.25], [-2.0, -0.125]], "env_id": 3},
+        {**base, "group_overrides": {"sft": True}, "overrides": [{"sft": True}, {}], "group_id": "given", "item_key": "k"},
+        {**base, "tokens": [[1, 2, 3], []], "masks": [[1], []], "policy_version": 4, "env": "named"},
+        {**base, "scores": [1, "0.5"]},
+        {**base, "tokens": [["1", 2, 3], [4, 5]]},  # lax strings: the general path takes them
+        {**base, "inference_logprobs": [[1e400]]},  # out of range: the general path refuses it
+        {**base, "tokens": []},
+        {**base, "masks": [[2**40]]},
+    ]
+    bodies = [(orjson.dumps(body), False) for body in loose]
+    bodies += [(b'{"tokens": [[1, 2], [3]], "masks" : [[1,2],[3]],\n "scores": [0.5, 1]}', False)]
+    bodies += [(orjson.dumps(make_groups(1)[0]), False), (orjson.dumps(make_groups(5, start=3)), True)]
+    bodies += [(orjson.dumps(loose[:5]), True), (orjson.dumps([loose[0], loose[7]]), True)]
+    return bodies
+
+
+def _decoded(body: bytes, many: bool, *, strict: bool = False):
+    try:
+        parsed = decode_groups(body, many=many, strict=strict, build=True, run_id="api", idempotency_key=None)
+    except WireError as error:
+        return ("refused", error.detail)
+    rows = parsed.rows.drop_columns(["created_at"])
+    ids = [i if known else "fresh" for i, known in zip(parsed.ids, parsed.identified)]
+    rows = rows.drop_columns(["group_id"])
+    return (rows.to_pylist(), ids, dict(parsed.unaligned), parsed.unaligned_by_group, parsed.sizes, parsed.env_ids,
+            parsed.envs, parsed.versions)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize(("body", "many"), _bodies())
+def test_native_ingest_gives_what_the_general_path_gives(general_path, body, many, strict):
+    general_path(False)
+    expected = _decoded(body, many, strict=strict)
+    general_path(True)
+    assert _decoded(body, many, strict=strict) == expected
+
+
+def test_without_the_library_ingest_still_works(general_path):
+    general_path(False)
+    assert not numjson.available()
+    parsed = decode_groups(orjson.dumps(make_groups(1)[0]), many=False, build=True, run_id="api")
+    assert parsed.rows.num_rows == 1
