@@ -159,3 +159,50 @@ def test_status_env_of_unknown_env_is_none(tmp_path, bad):
         return result
 
     assert run(scenario()) is None
+
+
+def test_answered_groups_are_served_before_their_shard_is_written_and_after(tmp_path):
+    """A post is answered once logged; its groups are servable at once (from memory), mixed with shard rows."""
+
+    async def scenario():
+        service = await started(config(tmp_path, batch_metadata=True, prefetch=False))
+        await service.register({**REGISTRATION, "batch_size": 4})
+        posted = list(synthetic_groups(4, group_size=2, seq_len=8))
+        await service.ingest(posted[:1])
+        await service.committer.drain()  # the first group is in a shard
+        hold = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        real_commit = service.store.commit
+
+        def held_commit(*args, **kwargs):
+            asyncio.run_coroutine_threadsafe(hold.wait(), loop).result()
+            return real_commit(*args, **kwargs)
+
+        service.store.commit = held_commit
+        await service.ingest(posted[1:])  # answered while no shard can be written
+        assert service.status()["queue_size"] == 4
+        first = batch_ids((await service.next_batch(False)).raw)
+        await service.ingest(list(synthetic_groups(2, group_size=2, seq_len=8, seed=9)))
+        hold.set()
+        await service.committer.drain()
+        second = batch_ids((await service.next_batch(False)).raw)
+        shards = sorted(service.store.committed(service.config.ingest_run))
+        await service.stop()
+        return posted, first, second, shards
+
+    posted, first, second, shards = run(scenario())
+    assert first == [g.group_id for g in posted[:2]] and second == [g.group_id for g in posted[2:]]
+    assert len(shards) == 3
+
+
+def test_a_second_service_on_the_same_ingest_log_is_refused(tmp_path):
+    async def scenario():
+        service = await started(config(tmp_path))
+        try:
+            with pytest.raises(RuntimeError, match="ingest_producer"):
+                BatchService(config(tmp_path, state_path=str(tmp_path / "other.sqlite")))
+        finally:
+            await service.stop()
+        BatchService(config(tmp_path)).log.close()  # free again once the first has stopped
+
+    run(scenario())
