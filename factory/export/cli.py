@@ -25,6 +25,7 @@ The flags keep Atropos's names and meanings; what differs, and why:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -151,6 +152,9 @@ def _run(kind: str, config: SftExportConfig | DpoExportConfig, use_prefect: bool
             print(f"  {stats.groups_in} groups read, {stats.rows_out} rows written", file=sys.stderr)
 
     export = export_sft if kind == "sft" else export_dpo
+    # The objects made so far (modules, classes, configs) live as long as this one-shot process: left out of the
+    # collector's full passes, which otherwise walk them again and again while rows are made.
+    gc.freeze()
     return export(config, progress=progress).to_dict()  # type: ignore[arg-type]
 
 

@@ -14,6 +14,7 @@ from environments.groups import MASK_IGNORE
 from factory.export.config import SourceConfig
 from factory.export.source import (
     SourceError,
+    _numpy,
     group_from_wire,
     groups_from_batch_json,
     groups_from_batch_response,
@@ -124,3 +125,13 @@ def test_api_source_asks_for_arrow_unless_told_not_to_and_filters_envs_alike(arr
     assert [g.group_id for g in got] == [groups[0].group_id, groups[2].group_id]
     assert ("arrow" in seen[0].get("accept", "")) is arrow and seen[0]["accept-encoding"] == "identity"
     assert {g.run_id for g in got} == ({"r"} if arrow else {""})
+
+
+@pytest.mark.parametrize("array", [
+    pa.array([3, None, 5], pa.int32()),
+    pa.array(range(10), pa.int64()).slice(4, 3),
+    pa.array([], pa.int32()),
+    pa.array([7, 8, 9], pa.int32()).slice(3),
+])
+def test_int_arrays_read_as_numpy_without_pandas(array):
+    assert _numpy(array).tolist() == [0 if v is None else v for v in array.to_pylist()]
