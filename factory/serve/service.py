@@ -531,7 +531,8 @@ class BatchService:
             self.state.record_taken([(e.source, e.row) for e in entries], self.step, kv={"step": self.step + 1})
             self.queue.remove(entries)
             self.step += 1
-            logger.debug("served step %d: %d groups, %d bytes", self.step - 1, len(entries), len(body.arrow if arrow else body.raw))
+            size = len(body.arrow if arrow else body.raw)
+            logger.debug("served step %d: %d groups, %d bytes (%s)", self.step - 1, len(entries), size, "Arrow" if arrow else "JSON")
         if self.config.prefetch:
             self._prefetch_task = asyncio.create_task(self._prefetch())
         return body
