@@ -22,6 +22,8 @@ _INT_2D = pa.list_(pa.list_(pa.int32()))
 _FLOAT_2D = pa.list_(pa.list_(pa.float64()))
 
 JSON_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+"""Media type of an Arrow IPC stream of GROUP_SCHEMA columns (GET /batch for clients that ask for it)."""
 
 GROUP_SCHEMA = pa.schema(
     [

@@ -3,6 +3,7 @@
     ATROPOS_VENV=/work/.venv-atropos python -m bench.export.run --groups 1024   # 3 interleaved rounds
     python -m bench.export.run --smoke                                          # seconds (CI)
     python -m bench.export.run --api --groups 2048    # both CLIs with --api-url against their own run-api: CLI CPU per row
+                                                      # (ours twice: Arrow /batch, and JSON /batch with --api-json)
     python -m bench.export.run --memory 100000,1000000    # peak RSS of exports of two sizes
     BENCH_DEDUP=0 python -m bench.export.run --memory ...  # the same without the dedup set
 
@@ -143,13 +144,18 @@ def run_atropos(wire: list[dict], rows: int, work: Path, port: int, out: Path) -
     return export_through_api([str(bin_dir / "run-api"), "--port", str(port)], cli, wire, work, port, out, _offline_env())
 
 
-def run_factory_api(wire: list[dict], rows: int, work: Path, port: int, out: Path) -> tuple[float, int, float]:
-    """The factory's atropos-sft-gen with --api-url against the factory's run-api (a fresh store each time)."""
+def run_factory_api(wire: list[dict], rows: int, work: Path, port: int, out: Path, *, json_batches: bool = False
+                    ) -> tuple[float, int, float]:
+    """The factory's atropos-sft-gen with --api-url against the factory's run-api (a fresh store each time).
+
+    It reads /batch as an Arrow stream, or as JSON (Atropos's format) with `json_batches` (--api-json).
+    """
     store = Path(tempfile.mkdtemp(prefix="api-store-", dir=work))
     api = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1", "--store_root", str(store),
            "--log_level", "warning"]
     cli = [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", "--group-size", str(GROUP_SIZE),
-           "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows), "--no-dedup", "--quiet"]
+           "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows), "--no-dedup", "--quiet",
+           *(["--api-json"] if json_batches else [])]
     env = {**_offline_env(), "PYTHONPATH": str(ROOT)}
     try:
         return export_through_api(api, cli, wire, work, port, out, env)
@@ -178,9 +184,12 @@ def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool,
         wire = make_store(work / "store", groups)
         rows = expected_rows(wire)
         if through_api:
-            sides = [harness.Side("factory atropos-sft-gen --api-url (factory run-api)",
+            sides = [harness.Side("factory atropos-sft-gen --api-url (factory run-api, Arrow /batch)",
                                   _side(lambda out: run_factory_api(wire, rows, work, free_port(), out), rows,
-                                        work / "factory_sft.jsonl"))]
+                                        work / "factory_sft.jsonl")),
+                     harness.Side("factory atropos-sft-gen --api-url --api-json (factory run-api, JSON /batch)",
+                                  _side(lambda out: run_factory_api(wire, rows, work, free_port(), out, json_batches=True),
+                                        rows, work / "factory_sft_json.jsonl"))]
         else:
             sides = [harness.Side("factory atropos-sft-gen (shard store)",
                                   _side(lambda out: run_factory(work / "store", out), rows, work / "factory_sft.jsonl"))]

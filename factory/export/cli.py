@@ -4,7 +4,9 @@ The flags keep Atropos's names and meanings; what differs, and why:
 - the source is the shard store (`--store`, `--run`, `--env`) unless `--api-url`
   is given, in which case the CLI registers with that batching API and reads
   GET /batch as Atropos does (without Atropos's /reset_data unless
-  `--reset-api`, since that drops data queued by environments);
+  `--reset-api`, since that drops data queued by environments), and asks for
+  batches as Arrow streams, which a factory run-api sends (`--api-json` asks
+  for JSON; Atropos's run-api always answers JSON, which is read as such);
 - `--num-seqs-to-save` defaults to everything in the store (100 with --api-url,
   as Atropos), and the output holds exactly that many rows;
 - rows are TRL-ready: `--save-messages` writes message lists; without it rows
@@ -23,6 +25,7 @@ The flags keep Atropos's names and meanings; what differs, and why:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -60,6 +63,8 @@ def _parser(kind: str) -> argparse.ArgumentParser:
     add("--max-token-len", type=int, default=None, help="Drop longer sequences (and send it on /register; 2048 if unset).")
     add("--api-idle-timeout", type=float, default=60.0, help="With --api-url: stop after this many seconds without a batch.")
     add("--reset-api", action="store_true", help="With --api-url: GET /reset_data first, as Atropos does.")
+    add("--api-json", action="store_true",
+        help="With --api-url: ask for JSON batches (default: an Arrow stream, which a factory run-api sends).")
     add("--tokenizer", default=None, help="Tokenizer dir or hub id: rows become chat-template text.")
     add("--save-messages", action="store_true", help="Write message lists even when --tokenizer is given.")
     if kind == "sft":
@@ -105,6 +110,7 @@ def build_export_config(kind: str, args: argparse.Namespace) -> SftExportConfig 
         api_max_token_len=args.max_token_len or 2048,
         api_idle_timeout_s=args.api_idle_timeout,
         api_reset_first=args.reset_api,
+        api_arrow=not args.api_json,
     )
     text = bool(args.tokenizer) and not args.save_messages and not args.keep_images
     output = OutputConfig(
@@ -146,6 +152,9 @@ def _run(kind: str, config: SftExportConfig | DpoExportConfig, use_prefect: bool
             print(f"  {stats.groups_in} groups read, {stats.rows_out} rows written", file=sys.stderr)
 
     export = export_sft if kind == "sft" else export_dpo
+    # The objects made so far (modules, classes, configs) live as long as this one-shot process: left out of the
+    # collector's full passes, which otherwise walk them again and again while rows are made.
+    gc.freeze()
     return export(config, progress=progress).to_dict()  # type: ignore[arg-type]
 
 

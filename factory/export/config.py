@@ -32,6 +32,10 @@ class SourceConfig(FactoryConfig):
     api_idle_timeout_s: float = Field(60.0, gt=0, description="Stop reading the API after this long without a batch.")
     api_poll_s: float = Field(1.0, gt=0, description="Wait between /batch polls while the API has no batch.")
     api_reset_first: bool = Field(False, description="Call GET /reset_data before /register, as Atropos's CLIs do (drops queued data).")
+    api_arrow: bool = Field(
+        True, description="Ask the API for /batch as an Arrow stream (a factory run-api sends one: less CPU on both ends, "
+        "stored group ids and env names); an API that answers JSON, as Atropos's does, is read as JSON. False asks for JSON.",
+    )
 
 
 class SelectionConfig(FactoryConfig):

@@ -61,9 +61,11 @@ def _clean(messages: Any) -> list[Message] | None:
         return None
     cleaned = []
     for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, str):
             return None
-        cleaned.append({"role": str(message.get("role")), "content": message["content"]})
+        role = message.get("role")
+        cleaned.append({"role": role if isinstance(role, str) else str(role), "content": content})
     return cleaned
 
 

@@ -50,10 +50,11 @@ def rank_sft(
     """Indices of the eligible sequences, best first, and the drop count per reason of the rest."""
     dropped: Counter[str] = Counter()
     group_min = min(scores)
+    check_lengths = select.max_token_len is not None or select.min_completion_tokens > 0
     kept = []
-    for index in sorted(range(len(scores)), key=lambda i: scores[i], reverse=True):
+    for index in sorted(range(len(scores)), key=scores.__getitem__, reverse=True):
         score = scores[index]
-        reason = _length_reason(index, seq_lens, completion_lens, select)
+        reason = _length_reason(index, seq_lens, completion_lens, select) if check_lengths else None
         if reason is None:
             if select.min_score is not None and score < select.min_score:
                 reason = BELOW_MIN

@@ -3,8 +3,10 @@
 Hot paths (/scored_data, /scored_data_list, /batch) read and write raw bytes:
 bodies are decoded by `wire.py` (msgspec, straight to Arrow rows; loose as
 Atropos is, deduplicated only by group_id / Idempotency-Key), responses are
-built by `payload.py` without FastAPI's generic encoder. Bad input gets a 4xx
-naming the field; FastAPI's own models give its usual 422 detail list.
+built by `payload.py` without FastAPI's generic encoder (GET /batch answers an
+Arrow IPC stream instead of JSON to clients whose Accept header prefers
+`application/vnd.apache.arrow.stream`). Bad input gets a 4xx naming the field;
+FastAPI's own models give its usual 422 detail list.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from environments.groups import ScoredGroup
+from factory.schema import ARROW_STREAM
 from factory.serve.backpressure import IngestBudget, Overloaded
 from factory.serve.config import ServeConfig
 from factory.serve.http import BodyError, FastPosts, RequestGuard, accepts_gzip, gzip_size_hint, inflate_gzip, json_response
-from factory.serve.payload import PayloadError
+from factory.serve.payload import PayloadError, prefers_arrow
 from factory.serve.service import BatchService
 from factory.serve.wire import WireError, decode_groups
 
@@ -224,11 +227,14 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
 
     @app.get("/batch")
     async def batch(request: Request) -> Response:
+        arrow = prefers_arrow(request.headers.get("accept", ""))
         try:
-            body = await service.next_batch(accepts_gzip(request))
+            body = await service.next_batch(accepts_gzip(request), arrow)
         except PayloadError as error:
             logger.error("cannot serve a batch: %s", error)
             return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json")
+        if arrow and body.arrow is not None:  # without rows (no batch, not registered) the body is JSON
+            return Response(body.arrow, media_type=ARROW_STREAM, headers={"vary": "Accept, Accept-Encoding"})
         return respond(request, raw=body.raw, gz=body.gz)
 
     @app.get("/latest_example")

@@ -1,10 +1,14 @@
-"""Read queued groups' payloads from their shards and write Atropos's `/batch` JSON straight from Arrow.
+"""Read queued groups' payloads from their shards and write `/batch` bodies straight from Arrow.
 
 FastAPI's generic encoder walks every token as a Python object; here each
 sequence is a zero-copy numpy view of the Arrow column, serialised by orjson,
 and JSON-text fields (messages, overrides, ...) are spliced in as stored.
 Row groups just read are kept in a small byte-bounded cache, because batches
 take consecutive rows in arrival order.
+
+Clients that ask for `application/vnd.apache.arrow.stream` (the factory's
+exporter) get the rows the export reads as an Arrow IPC stream instead:
+no number is turned into text on either end.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from environments.groups import GROUP_WIRE_FIELDS
-from factory.schema import JSON_FIELDS
+from factory.schema import ARROW_STREAM, JSON_FIELDS
 
 logger = logging.getLogger(__name__)
 
 META_FIELDS = ("group_id", "env", "policy_version")
-READ_COLUMNS = [*GROUP_WIRE_FIELDS, *META_FIELDS]
+ARROW_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages", "images", "tokens", "masks"]
+"""The columns of an Arrow /batch: what the exporter reads (factory/export/source.py `groups_from_batch`)."""
+READ_COLUMNS = [*GROUP_WIRE_FIELDS, *META_FIELDS, "run_id", "item_key"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _KEYS = {name: orjson.dumps(name) + b":" for name in (*GROUP_WIRE_FIELDS, *META_FIELDS)}
 
@@ -83,6 +89,35 @@ def encode_groups(table: pa.Table, *, metadata: bool = False) -> list[bytes]:
 
 def batch_json(items: Sequence[bytes]) -> bytes:
     return b'{"batch":[' + b",".join(items) + b"]}"
+
+
+def batch_arrow(table: pa.Table, *, compress: bool = False) -> bytes:
+    """The ARROW_COLUMNS of `table` as Arrow IPC stream bytes; `compress` zstd-compresses the buffers (any Arrow
+    reader inflates them itself)."""
+    options = pa.ipc.IpcWriteOptions(compression="zstd" if compress else None)
+    sink = pa.BufferOutputStream()
+    projected = table.select(ARROW_COLUMNS)
+    with pa.ipc.new_stream(sink, projected.schema, options=options) as writer:
+        writer.write_table(projected)
+    return sink.getvalue().to_pybytes()
+
+
+def prefers_arrow(accept: str) -> bool:
+    """Whether an Accept header asks for ARROW_STREAM at least as much as for JSON (q > 0); JSON otherwise."""
+    quality = {}
+    for part in accept.split(","):
+        media, *params = (piece.strip() for piece in part.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        quality[media.lower()] = max(q, quality.get(media.lower(), 0.0))
+    arrow = quality.get(ARROW_STREAM, 0.0)
+    return arrow > 0 and arrow >= quality.get("application/json", 0.0)
 
 
 class PayloadReader:

@@ -38,7 +38,7 @@ from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_ne
 from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
 from factory.serve.ingest_log import IngestLog
 from factory.serve.packer import Entry, LanePolicy, pack_batch
-from factory.serve.payload import PayloadReader, batch_json, encode_groups
+from factory.serve.payload import PayloadReader, batch_arrow, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
 from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, stamp, to_record_batch
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
@@ -58,10 +58,15 @@ EMPTY_EXAMPLE = {
 
 
 class BatchBody:
-    """A /batch response body, raw and (if made) gzipped."""
+    """A /batch response: the rows read (kept so any format can be made on demand) and the encodings made so far.
 
-    def __init__(self, raw: bytes, gz: bytes | None = None) -> None:
-        self.raw, self.gz = raw, gz
+    `raw` is the JSON body (and `gz` its gzip, if made); `arrow` the Arrow IPC stream of the rows, if made.
+    Bodies without rows (no batch, not registered) are JSON only.
+    """
+
+    def __init__(self, raw: bytes | None = None, gz: bytes | None = None, table: pa.Table | None = None) -> None:
+        self.raw, self.gz, self.table = raw, gz, table
+        self.arrow: bytes | None = None
 
 
 class BatchService:
@@ -78,6 +83,7 @@ class BatchService:
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._replay: deque[tuple[int, list[tuple[int, int]]]] = deque()
         self._prefetched: tuple[list[Entry], BatchBody] | None = None
+        self._wanted = (False, True)  # (arrow, compressed) of the last /batch: the format the next one is prefetched in
         self._prefetch_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self.committer: GroupCommitter | None = None
@@ -472,16 +478,31 @@ class BatchService:
             if oversize:
                 logger.warning("skipped %d groups larger than batch_size %d", len(oversize), batch_size)
 
-    def _encode(self, keys: list[tuple[int, int]], compress: bool) -> BatchBody:
-        table = self.reader.read([(self.sources[source], row) for source, row in keys])
-        raw = batch_json(encode_groups(table, metadata=self.config.batch_metadata))
+    def _encode(self, body: BatchBody, arrow: bool, compress: bool) -> BatchBody:
+        """Make the encoding asked for, if `body` has not got it yet (in a thread)."""
+        if arrow:
+            if body.arrow is None:
+                body.arrow = batch_arrow(body.table, compress=compress)
+            return body
+        if body.raw is None:
+            body.raw = batch_json(encode_groups(body.table, metadata=self.config.batch_metadata))
         level = self.config.gzip_level
-        gz = gzip.compress(raw, compresslevel=level, mtime=0) if compress and level and len(raw) >= self.config.gzip_min_bytes else None
-        return BatchBody(raw, gz)
+        if compress and body.gz is None and level and len(body.raw) >= self.config.gzip_min_bytes:
+            body.gz = gzip.compress(body.raw, compresslevel=level, mtime=0)
+        return body
 
-    async def next_batch(self, accept_gzip: bool) -> BatchBody:
-        """The next batch for the trainer, recorded as served (durably) before it is returned."""
+    def _read(self, keys: list[tuple[int, int]], arrow: bool, compress: bool) -> BatchBody:
+        table = self.reader.read([(self.sources[source], row) for source, row in keys])
+        return self._encode(BatchBody(table=table), arrow, compress)
+
+    async def next_batch(self, accept_gzip: bool, arrow: bool = False) -> BatchBody:
+        """The next batch for the trainer, recorded as served (durably) before it is returned.
+
+        `arrow` asks for the rows as an Arrow IPC stream (`body.arrow`) instead of JSON (`body.raw`); bodies
+        without rows are JSON either way. The next batch is prefetched in the format this call asked for.
+        """
         async with self._lock:
+            self._wanted = (arrow, accept_gzip)
             if self.registration is None:
                 return BatchBody(NOT_REGISTERED)
             if not self.started:
@@ -489,27 +510,34 @@ class BatchService:
                 self.state.put(started=True)
             if self._replay:
                 step, keys = self._replay.popleft()
-                body = await asyncio.to_thread(self._encode, keys, accept_gzip)
+                body = await asyncio.to_thread(self._read, keys, arrow, accept_gzip)
                 self.step = step + 1
                 self.state.put(step=self.step)
                 return body
             if self._prefetched is not None:
                 entries, body = self._prefetched
                 self._prefetched = None
+                if (body.arrow if arrow else body.raw) is None:  # prefetched for a client that asked the other format
+                    try:
+                        body = await asyncio.to_thread(self._encode, body, arrow, accept_gzip)
+                    except Exception:
+                        self.queue.release(entries)
+                        raise
             else:
                 entries = self._form()
                 if entries is None:
                     return BatchBody(NO_BATCH)
                 self.queue.reserve(entries)
                 try:
-                    body = await asyncio.to_thread(self._encode, [(e.source, e.row) for e in entries], accept_gzip)
+                    body = await asyncio.to_thread(self._read, [(e.source, e.row) for e in entries], arrow, accept_gzip)
                 except Exception:
                     self.queue.release(entries)
                     raise
             self.state.record_taken([(e.source, e.row) for e in entries], self.step, kv={"step": self.step + 1})
             self.queue.remove(entries)
             self.step += 1
-            logger.debug("served step %d: %d groups, %d bytes", self.step - 1, len(entries), len(body.raw))
+            size = len(body.arrow if arrow else body.raw)
+            logger.debug("served step %d: %d groups, %d bytes (%s)", self.step - 1, len(entries), size, "Arrow" if arrow else "JSON")
         if self.config.prefetch:
             self._prefetch_task = asyncio.create_task(self._prefetch())
         return body
@@ -523,7 +551,7 @@ class BatchService:
                 return
             self.queue.reserve(entries)
             try:
-                body = await asyncio.to_thread(self._encode, [(e.source, e.row) for e in entries], True)
+                body = await asyncio.to_thread(self._read, [(e.source, e.row) for e in entries], *self._wanted)
             except Exception:  # noqa: BLE001 - the next /batch forms it again and reports the error
                 self.queue.release(entries)
                 logger.exception("prefetching the next batch failed")

@@ -9,13 +9,11 @@ store run, when that package is present.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -114,36 +112,51 @@ def test_unreachable_api_is_reported(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_sft_gen_against_the_factory_run_api(tmp_path):
+def _factory_api(tmp_path: Path, name: str, *extra: str):
+    """The factory's run-api following run-a of tmp_path/store, with its own served state `name` (an ApiProcess)."""
     pytest.importorskip("factory.serve.app", reason="factory/serve (run-api) is not in this checkout")
+    from factory.serve.client import ApiProcess
+
+    port = free_port()
+    command = [sys.executable, "-m", "factory.serve.cli", "--host", "127.0.0.1", "--port", str(port),
+               "--store_root", str(tmp_path / "store"), "--follow_runs", "[run-a]", "--state_path",
+               str(tmp_path / f"{name}.sqlite"), "--log_level", "warning", *extra]
+    return ApiProcess(command, port, log_path=str(tmp_path / f"{name}.log"))
+
+
+def _export(url: str, out: Path, *extra: str) -> list[dict]:
+    code = main("sft", [str(out), "--api-url", url, "--group-size", "4", "--tasks-per-step", "4",
+                        "--num-seqs-to-save", "1000", "--api-idle-timeout", "3", "--quiet", *extra])
+    assert code == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_sft_gen_against_the_factory_run_api(tmp_path):
     store = ShardStore(tmp_path / "store")
     store.commit("run-a", "w0", 0, list(synthetic_groups(24, group_size=4, run_id="run-a")))
-    port = free_port()
-    api = subprocess.Popen(
-        [sys.executable, "-c", "from factory.serve.cli import main; main()", "--host", "127.0.0.1", "--port", str(port),
-         "--store_root", str(tmp_path / "store"), "--follow_runs", "[run-a]", "--log_level", "warning"],
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or api.poll() is not None:
-                pytest.fail("run-api did not come up")
-            time.sleep(0.2)
-        out = tmp_path / "sft.jsonl"
-        code = main("sft", [str(out), "--api-url", url, "--group-size", "4", "--tasks-per-step", "4",
-                            "--num-seqs-to-save", "1000", "--api-idle-timeout", "3", "--quiet"])
-    finally:
-        api.terminate()
-        api.wait(timeout=30)
-    assert code == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    with _factory_api(tmp_path, "state") as api:
+        rows = _export(api.url, tmp_path / "sft.jsonl")
     assert rows and all(r["score"] > 0 for r in rows)
     served_prompts = {r["messages"][0]["content"] for r in rows}
     assert len(served_prompts) >= 16  # at least 4 full batches of 4 groups came through
+
+
+def test_arrow_batches_export_the_rows_json_batches_with_metadata_do(tmp_path):
+    """The default CLI reads Arrow /batch bodies; --api-json reads JSON: the same rows (JSON lacks run_id, item_key)."""
+    store = ShardStore(tmp_path / "store")
+    groups = list(synthetic_groups(24, group_size=4, run_id="run-a"))
+    groups[5].env = groups[9].env = "other"
+    store.commit("run-a", "w0", 0, groups)
+    with _factory_api(tmp_path, "arrow", "--batch_metadata", "true") as api:
+        arrow_rows = _export(api.url, tmp_path / "arrow.jsonl")
+    with _factory_api(tmp_path, "json", "--batch_metadata", "true") as api:
+        json_rows = _export(api.url, tmp_path / "json.jsonl", "--api-json")
+    with _factory_api(tmp_path, "filtered") as api:
+        filtered = _export(api.url, tmp_path / "filtered.jsonl", "--env", "other")
+    assert len(arrow_rows) == len(json_rows) > 40
+    assert {(r["run_id"], bool(r["item_key"])) for r in arrow_rows} == {("run-a", True)}  # stored values: Arrow was read
+    assert {(r["run_id"], r["item_key"]) for r in json_rows} == {("", "")}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("run_id", "item_key")} for r in rows]  # noqa: E731
+    assert strip(arrow_rows) == strip(json_rows)
+    assert {r["group_id"] for r in arrow_rows} <= {g.group_id for g in groups}
+    assert {r["group_id"] for r in filtered} == {groups[5].group_id, groups[9].group_id}  # env names as stored

@@ -204,3 +204,29 @@ def test_trainer_client_pulls_what_env_client_posts(api, http):
     env.register("code", group_size=2)
     env.post(wire(4, group_size=2, seq_len=8, seed=7))
     assert [len(g["tokens"]) for g in trainer.batch()] == [2, 2, 2, 2]
+
+
+def test_arrow_batches_count_steps_as_json_batches_do(http):
+    """A trainer asking for Arrow gets the same batches, one step each; bodies without rows stay JSON."""
+    import pyarrow as pa
+
+    arrow = {"Accept": "application/vnd.apache.arrow.stream, application/json;q=0.5", "Accept-Encoding": "identity"}
+    assert http.get("/batch", headers=arrow).json()["message"].startswith("Trainer not registered")
+    env_id = start_training(http)
+    assert http.get("/batch", headers=arrow).json() == {"batch": None}
+    posted = [{**g, "env_id": env_id} for g in wire(6, group_size=4, seq_len=16)]
+    assert http.post("/scored_data_list", json=posted).status_code == 200
+    served = []
+    for call in range(3):
+        reply = http.get("/batch", headers=arrow if call != 1 else {"Accept-Encoding": "gzip"})
+        if call != 1:
+            assert reply.headers["content-type"] == "application/vnd.apache.arrow.stream"
+            served += pa.ipc.open_stream(reply.content).read_all().column("tokens").to_pylist()
+        else:
+            assert reply.headers["content-type"] == "application/json"
+            served += [g["tokens"] for g in reply.json()["batch"]]
+        assert http.get("/status").json()["current_step"] == call + 1
+    assert http.get("/batch", headers=arrow).json() == {"batch": None}
+    status = http.get("/status").json()
+    assert (status["current_step"], status["queue_size"]) == (3, 0)
+    assert sorted(served) == sorted(g["tokens"] for g in posted)

@@ -27,6 +27,7 @@ def test_atropos_flags_map_onto_the_config():
     assert config.output.style == "conversational"  # --save-messages wins over --tokenizer
     assert config.output.append and config.output.resolved_format == "jsonl"
     assert config.source.api_group_size == 8 and config.source.api_url is None
+    assert config.source.api_arrow and not _config("sft", "o.jsonl", "--api-json").source.api_arrow
 
 
 def test_dpo_defaults_follow_atropos():
