@@ -1,22 +1,16 @@
-"""Group commit of POSTed groups: a request is answered once its groups are durable in the write-ahead log.
+"""Group commit of POSTed groups: every request waits until its groups are in a committed shard.
 
 Requests put their groups (rows of GROUP_SCHEMA) on a pending list and wait; one writer
-takes everything pending, writes it as one chunk of the write-ahead log (`IngestLog`) in
-a worker thread, hands it to `on_logged` (the service queues it: servable at once, read
-from memory until its shard exists), and then wakes all those requests at once. While a
-chunk is being written, new requests pile up for the next one, so ingest speed grows with
-concurrency instead of paying one fsync per group.
-
-Behind the log, a shard writer turns each chunk into the Parquet shard of the same
-(producer, chunk), commits it to the store, calls `on_sharded` and deletes the chunk from
-the log. Parquet encoding, the bulk of a commit's time, is thus off the requests' path.
-Chunks waiting for their shard are bounded (`backlog_bytes`); beyond that, new chunks wait.
+takes everything pending, commits it as a single shard (producer, next chunk)
+in a worker thread, and then wakes all those requests at once. While a commit
+is being written, new requests pile up for the next one, so ingest speed
+grows with concurrency instead of paying one fsync per group.
 
 Requests announce themselves when their bodies start decoding (`arriving`).
-Before a chunk, the writer lingers (at most `linger_s`) for the requests that
-were already decoding: a chunk, and the shard it becomes, have a fixed cost
-worth sharing among as many groups as are about to arrive. A lone client never
-waits: nobody else is on the way.
+Before a commit, the writer lingers (at most `linger_s`) for the requests that
+were already decoding: a shard has a fixed cost (Parquet writer and footer,
+three fsyncs, the commit record) worth sharing among as many groups as are
+about to arrive. A lone client never waits: nobody else is on the way.
 """
 
 from __future__ import annotations
@@ -25,15 +19,13 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from factory.serve.ingest_log import IngestLog
-from factory.store import shard_name
+from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -85,67 +77,51 @@ class _Pending:
 
 
 class GroupCommitter:
-    """Logs pending groups as chunks of (run, producer), one writer at a time, and shards them behind."""
+    """Commits pending groups as shards of (run, producer, chunk), one writer at a time."""
 
     def __init__(
         self,
-        log: IngestLog,
-        on_logged: Callable[[str, pa.Table], None],
-        on_sharded: Callable[[str], None],
+        store: ShardStore,
+        run_id: str,
+        producer: str,
+        on_commit: Callable[[CommitRecord, pa.Table], Awaitable[None] | None],
         *,
         max_groups: int = 1024,
         row_group_groups: int = 16,
         linger_s: float = 0.0,
-        backlog_bytes: int = 256 << 20,
     ) -> None:
-        self.log, self.store = log, log.store
-        self.on_logged, self.on_sharded = on_logged, on_sharded
+        self.store, self.run_id, self.producer = store, run_id, producer
+        self.on_commit = on_commit
         self.max_groups = max_groups
         self.row_group_groups = row_group_groups
         self.linger_s = linger_s
-        self.backlog_bytes = backlog_bytes
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._moved = asyncio.Event()
         self._announced = 0
         self._settled = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._backlog: deque[tuple[int, pa.Table]] = deque()
-        self._backlog_size = 0
-        self._logged = asyncio.Event()
-        self._sharded = asyncio.Event()
-        committed = (r.chunk for r in self.store.committed(log.run_id).values() if r.producer == log.producer)
-        self.next_chunk = 1 + max([*committed, *log.chunks()], default=-1)
+        self._task: asyncio.Task[None] | None = None
+        self.next_chunk = 1 + max(
+            (record.chunk for record in store.committed(run_id).values() if record.producer == producer), default=-1
+        )
         self.commits = 0
         self._since_trim = 0
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(), name="group-logger"),
-                       asyncio.create_task(self._shard_loop(), name="shard-writer")]
+        self._task = asyncio.create_task(self._run(), name="group-committer")
 
-    async def drain(self) -> None:
-        """Wait until every submitted group is in a committed shard."""
-        while self._pending or self._backlog:
-            self._sharded.clear()
-            try:
-                await asyncio.wait_for(self._sharded.wait(), 0.05)
-            except asyncio.TimeoutError:
-                pass
-
-    async def stop(self, timeout_s: float = 60.0) -> None:
-        """Log and shard what is pending (for at most `timeout_s`: what is logged is sharded at the next start), then stop."""
-        if not self._tasks:
+    async def stop(self) -> None:
+        """Commit what is pending, then stop."""
+        if self._task is None:
             return
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while (self._pending or self._backlog) and asyncio.get_running_loop().time() < deadline:
+        while self._pending:
             await asyncio.sleep(0.01)
-        for task in self._tasks:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self._tasks = []
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
 
     @contextmanager
     def arriving(self) -> Iterator[Arrival]:
@@ -164,8 +140,8 @@ class GroupCommitter:
             self._moved.set()
 
     async def submit(self, rows: pa.RecordBatch, arrival: Arrival | None = None) -> None:
-        """Return once `rows` are durable in the log (raises if writing it failed)."""
-        if not self._tasks or self._tasks[0].done():
+        """Return once `rows` are committed to a shard (raises if the commit failed)."""
+        if self._task is None or self._task.done():
             raise RuntimeError("the group committer is not running; start the service before posting groups")
         pending = _Pending(rows)
         self._pending.append(pending)
@@ -194,9 +170,6 @@ class GroupCommitter:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                while self._backlog_size > self.backlog_bytes:
-                    self._sharded.clear()
-                    await self._sharded.wait()
                 await self._linger()
                 take, count = [], 0
                 while self._pending and (not take or count + self._pending[0].rows.num_rows <= self.max_groups):
@@ -204,49 +177,33 @@ class GroupCommitter:
                     take.append(item)
                     count += item.rows.num_rows
                 groups = pa.Table.from_batches([item.rows for item in take])
-                chunk = self.next_chunk
-                self.next_chunk += 1
                 try:
-                    await asyncio.to_thread(self.log.write, chunk, groups)
-                    self.on_logged(shard_name(self.log.producer, chunk), groups)
-                except Exception as error:  # noqa: BLE001 - every waiting request must learn the write failed
-                    logger.exception("logging %d posted groups failed", groups.num_rows)
+                    record = await self._commit(groups)
+                    result = self.on_commit(record, groups)
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
+                    logger.exception("commit of %d posted groups failed", groups.num_rows)
                     for item in take:
                         if not item.done.done():
                             item.done.set_exception(error)
                     continue
-                self._backlog.append((chunk, groups))
-                self._backlog_size += groups.nbytes
-                self._logged.set()
                 for item in take:
                     if not item.done.done():
                         item.done.set_result(None)
 
-    async def _shard_loop(self) -> None:
+    async def _commit(self, groups: pa.Table) -> CommitRecord:
         while True:
-            while not self._backlog:
-                self._logged.clear()
-                await self._logged.wait()
-            chunk, groups = self._backlog[0]
-            try:
-                record = await asyncio.to_thread(
-                    self.store.commit, self.log.run_id, self.log.producer, chunk, groups, row_group_groups=self.row_group_groups
-                )
-            except Exception:  # noqa: BLE001 - the chunk stays logged and queued; try again
-                logger.exception("shard of logged chunk %d (%d groups) failed; retrying in 1 s", chunk, groups.num_rows)
-                await asyncio.sleep(1.0)
-                continue
-            if record.skipped:
-                logger.error("chunk %d of %s/%s was already committed by another writer: its logged groups stay in %s",
-                             chunk, self.log.run_id, self.log.producer, self.log.path(chunk))
-            else:
+            chunk = self.next_chunk
+            self.next_chunk += 1
+            record = await asyncio.to_thread(
+                self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
+            )
+            if not record.skipped:
                 self.commits += 1
-                self.on_sharded(record.shard)
-                await asyncio.to_thread(self.log.remove, chunk)
-            self._backlog.popleft()
-            self._backlog_size -= groups.nbytes
-            self._sharded.set()
-            self._since_trim += groups.nbytes
-            if self._since_trim >= TRIM_EVERY_BYTES:
-                self._since_trim = 0
-                await asyncio.to_thread(return_free_memory)
+                self._since_trim += groups.nbytes
+                if self._since_trim >= TRIM_EVERY_BYTES:
+                    self._since_trim = 0
+                    await asyncio.to_thread(return_free_memory)
+                return record
+            logger.warning("chunk %d of %s/%s was already committed (another writer?); using the next", chunk, self.run_id, self.producer)

@@ -128,14 +128,6 @@ class PayloadReader:
         self._starts: OrderedDict[Path, list[int]] = OrderedDict()
         self._cache: OrderedDict[tuple[Path, int], pa.Table] = OrderedDict()
         self._cached = 0
-        self._logged: dict[Path, pa.Table] = {}
-
-    def logged(self, path: Path, rows: pa.Table) -> None:
-        """Serve the rows of shard `path` from memory until it is written (see `sharded`)."""
-        self._logged[path] = rows.select(READ_COLUMNS)
-
-    def sharded(self, path: Path) -> None:
-        self._logged.pop(path, None)
 
     def _row_group_starts(self, path: Path) -> list[int]:
         starts = self._starts.get(path)
@@ -169,11 +161,7 @@ class PayloadReader:
         pieces: list[pa.Table] = []
         order: list[int] = [0] * len(keys)
         wanted: dict[tuple[Path, int], list[tuple[int, int]]] = {}
-        in_memory = {path: self._logged.get(path) for path, _ in keys}  # one look each: a shard may be written meanwhile
         for position, (path, row) in enumerate(keys):
-            if in_memory[path] is not None:
-                wanted.setdefault((path, -1), []).append((position, row))
-                continue
             try:
                 starts = self._row_group_starts(path)
             except (OSError, pa.ArrowException) as error:
@@ -183,7 +171,7 @@ class PayloadReader:
         offset = 0
         for (path, index), rows in wanted.items():
             try:
-                table = in_memory[path] if index < 0 else self._row_group(path, index)
+                table = self._row_group(path, index)
             except (OSError, pa.ArrowException) as error:
                 raise PayloadError(f"shard {path} row group {index} cannot be read: {error}") from error
             pieces.append(table.take(pa.array([local for _, local in rows], type=pa.int64())))

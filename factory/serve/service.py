@@ -36,14 +36,13 @@ from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
 from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
-from factory.serve.ingest_log import IngestLog
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_arrow, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
 from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, stamp, to_record_batch
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
 from factory.schema import groups_to_record_batch
-from factory.store import ShardStore
+from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +89,6 @@ class BatchService:
         self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
-        # Before the served state is loaded: it may name shards that a crash left only in the log.
-        self.log = IngestLog(self.store, config.ingest_run, config.ingest_producer).open()
-        self.log.recover(config.ingest_row_group_groups)
         self._load()
 
     # ---- lifecycle ----
@@ -127,9 +123,10 @@ class BatchService:
         limit_allocator_growth()
         self._add_shards(await asyncio.to_thread(self._scan))
         self.committer = GroupCommitter(
-            self.log,
-            self._on_logged,
-            lambda shard: self.reader.sharded(self.store.shards_dir(self.config.ingest_run) / shard),
+            self.store,
+            self.config.ingest_run,
+            self.config.ingest_producer,
+            self._on_commit,
             max_groups=self.config.commit_max_groups,
             row_group_groups=self.config.ingest_row_group_groups,
             linger_s=self.config.commit_linger_ms / 1000,
@@ -150,7 +147,6 @@ class BatchService:
         self._release_prefetch()
         self.final_status = self.status()
         self.state.close()
-        self.log.close()
 
     # ---- sources of groups ----
     def _scan(self) -> list[NewShard]:
@@ -189,15 +185,14 @@ class BatchService:
             lane = self.queue.lane(("id", env_id) if env_id is not None else ("name", env))
             self.queue.add(source, row, size, lane, version)
 
-    def _on_logged(self, shard: str, rows: pa.Table) -> None:
-        """Posted groups are durable in the log: queue them, served from memory until their shard is written."""
-        run_id = self.config.ingest_run
+    def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
+        if (record.run_id, record.shard) in self._known:
+            return
         columns = rows.select(["group_id", "group_size", "env", "env_id", "policy_version"]).to_pydict()
         self.state.add_group_ids(columns["group_id"])
-        source = self.state.add_source(run_id, shard, rows.num_rows)
-        self.sources[source] = self.store.shards_dir(run_id) / shard
-        self.reader.logged(self.sources[source], rows)
-        self._known.add((run_id, shard))
+        source = self.state.add_source(record.run_id, record.shard, record.rows)
+        self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
+        self._known.add((record.run_id, record.shard))
         for row, (size, env, env_id, version) in enumerate(
             zip(columns["group_size"], columns["env"], columns["env_id"], columns["policy_version"])
         ):
