@@ -242,8 +242,9 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         example = await service.latest_example()
         return respond(request, raw=example) if isinstance(example, bytes) else respond(request, example)
 
-    def decode(body: bytes, gzipped: bool, key: str | None, many: bool) -> Any:
+    def decode(body: bytes, gzipped: bool, key: str | None, many: bool, arrival: Any) -> Any:
         """In a worker thread: gunzip, decode and check the body, and build its Arrow rows."""
+        service.announce(arrival)
         if gzipped:
             body = inflate_gzip(body, max_body)
         return decode_groups(body, many=many, strict=config.strict, idempotency_key=key, build=True, run_id=config.ingest_run)
@@ -264,7 +265,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
 
     async def store_groups(body: bytes, gzipped: bool, key: str | None, many: bool, arrival: Any) -> Response | int:
         try:
-            parsed = await asyncio.get_running_loop().run_in_executor(decoder, decode, body, gzipped, key, many)
+            parsed = await asyncio.get_running_loop().run_in_executor(decoder, decode, body, gzipped, key, many, arrival)
         except BodyError as error:
             return Response(orjson.dumps({"detail": str(error)}), status_code=error.status, media_type="application/json")
         except WireError as error:

@@ -6,11 +6,12 @@ in a worker thread, and then wakes all those requests at once. While a commit
 is being written, new requests pile up for the next one, so ingest speed
 grows with concurrency instead of paying one fsync per group.
 
-Requests announce themselves when their bodies start decoding (`arriving`).
-Before a commit, the writer lingers (at most `linger_s`) for the requests that
-were already decoding: a shard has a fixed cost (Parquet writer and footer,
-three fsyncs, the commit record) worth sharing among as many groups as are
-about to arrive. A lone client never waits: nobody else is on the way.
+Requests announce themselves when their bodies start decoding (`announce`).
+Before a commit, the writer lingers (at most `linger_s`) for the requests
+being decoded at that moment (not those still queued for a decoder): a shard
+has a fixed cost (Parquet writer and footer, three fsyncs, the commit record)
+worth sharing among as many groups as are about to arrive. A lone client
+never waits: nobody else is on the way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,8 +67,9 @@ def return_free_memory() -> None:
 
 @dataclass
 class Arrival:
-    """A request on its way to `GroupCommitter.submit` (its body is being decoded)."""
+    """A request on its way to `GroupCommitter.submit`: announced once its body is being decoded."""
 
+    announced: bool = False
     settled: bool = False
 
 
@@ -99,6 +102,7 @@ class GroupCommitter:
         self._wake = asyncio.Event()
         self._moved = asyncio.Event()
         self._announced = 0
+        self._announcing = threading.Lock()
         self._settled = 0
         self._task: asyncio.Task[None] | None = None
         self.next_chunk = 1 + max(
@@ -125,16 +129,23 @@ class GroupCommitter:
 
     @contextmanager
     def arriving(self) -> Iterator[Arrival]:
-        """Announce a request whose rows are being made; it is settled by `submit` or when the block ends."""
+        """A request on its way; `announce` it when its body starts decoding. It is settled by `submit` or when
+        the block ends."""
         arrival = Arrival()
-        self._announced += 1
         try:
             yield arrival
         finally:
             self._settle(arrival)
 
+    def announce(self, arrival: Arrival) -> None:
+        """The body of `arrival` is being decoded now (any thread): a commit about to start waits for it.
+        Bodies still queued for a decoder are not waited for: they would hold the commit for a whole queue."""
+        with self._announcing:
+            arrival.announced = True
+            self._announced += 1
+
     def _settle(self, arrival: Arrival | None) -> None:
-        if arrival is not None and not arrival.settled:
+        if arrival is not None and arrival.announced and not arrival.settled:
             arrival.settled = True
             self._settled += 1
             self._moved.set()

@@ -228,6 +228,11 @@ class BatchService:
             return contextlib.nullcontext(None)
         return self.committer.arriving()
 
+    def announce(self, arrival: Arrival | None) -> None:
+        """The post of `arrival` started decoding (called from the decoding thread)."""
+        if arrival is not None and self.committer is not None:
+            self.committer.announce(arrival)
+
     async def ingest_wire(self, parsed: WireGroups, arrival: Arrival | None = None) -> int:
         """Store posted groups (decoded by `wire.decode_groups`) and return once they are committed.
 

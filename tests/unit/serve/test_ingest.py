@@ -29,6 +29,7 @@ def test_posts_being_decoded_share_one_shard(tmp_path):
 
         async def post(seed: int, decode_s: float) -> None:
             with committer.arriving() as arrival:
+                committer.announce(arrival)
                 await asyncio.sleep(decode_s)  # the body is being decoded
                 await committer.submit(_rows(1, seed), arrival)
 
@@ -49,7 +50,8 @@ def test_a_lone_post_does_not_wait_and_a_failed_decode_releases_the_commit(tmp_p
 
         async def failing() -> None:
             try:
-                with committer.arriving():
+                with committer.arriving() as arrival:
+                    committer.announce(arrival)
                     await asyncio.sleep(0.05)
                     raise ValueError("bad body")
             except ValueError:
@@ -77,6 +79,7 @@ def test_linger_is_bounded(tmp_path):
 
         async def slow() -> None:
             with committer.arriving() as arrival:
+                committer.announce(arrival)
                 await slow_done.wait()
                 await committer.submit(_rows(1, 3), arrival)
 
