@@ -33,12 +33,12 @@ class ServeConfig(FactoryConfig):
     )
     commit_max_groups: int = Field(1024, ge=1, description="Most posted groups committed together in one shard (group commit).")
     decode_threads: int = Field(
-        1, ge=1, description="Threads that gunzip, decode and build Arrow rows of posted bodies (decoding holds the GIL, "
-        "so more threads mostly take turns).",
+        1, ge=1, description="Threads that gunzip, decode and build Arrow rows of posted bodies (the msgspec parts hold "
+        "the GIL; the number lists, read natively, do not).",
     )
     commit_linger_ms: float = Field(
-        10.0, ge=0, description="Longest a commit waits for posts that are still being decoded, to share one shard's fixed cost; "
-        "a lone client never waits. 0 commits at once.",
+        10.0, ge=0, description="Longest a commit waits for posts whose bodies are being decoded at that moment, to share "
+        "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")

@@ -1,9 +1,12 @@
 """Posted ScoredData bodies straight into Arrow rows, taking what Atropos's run-api takes.
 
 The hot ingest path does not build pydantic models: msgspec decodes the body
-into small typed structs (numeric lists as Python lists, the free-form JSON
-fields as their raw JSON text, stored verbatim), and the numeric lists go to
-Arrow buffers in one pass per column. Types are checked as Atropos's
+into small typed structs (the free-form JSON fields as their raw JSON text,
+stored verbatim), and the 2-D number lists (tokens, masks, logprobs, ...) are
+read by numjson straight into typed buffers, without Python numbers and
+without the GIL. Where numjson is not available, or does not take a body,
+msgspec decodes them as Python lists, copied to Arrow buffers in one pass per
+column; both ways give the same rows and the same answers. Types are checked as Atropos's
 `ScoredData` checks them (lax: "3" is a number, as pydantic's lax mode has
 it); lengths are not: `masks`, `advantages`, `ref_logprobs`,
 `inference_logprobs`, `messages`, `overrides`, ... whose lengths don't match
