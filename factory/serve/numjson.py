@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pyarrow.compute as pc
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("numjson.c")
-_ERROR, _FULL = -1, -2
+_FULL = -2  # numjson.c's NJ_FULL (NJ_ERROR, -1: not numbers it takes)
 _library: ctypes.CDLL | None = None
 _loaded = False
 
@@ -36,7 +37,7 @@ def _cache_dir() -> Path:
 
 def _build() -> ctypes.CDLL | None:
     source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + sys.platform.encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + f"{sys.platform}-{platform.machine()}".encode()).hexdigest()[:16]
     target = _cache_dir() / f"numjson-{tag}.so"
     if not target.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

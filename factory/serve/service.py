@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from environments.groups import ScoredGroup
+from factory.serve import numjson
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
 from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
@@ -121,6 +122,7 @@ class BatchService:
 
     async def start(self) -> None:
         limit_allocator_growth()
+        await asyncio.to_thread(numjson.available)  # compile or load the native number reader before the first post
         self._add_shards(await asyncio.to_thread(self._scan))
         self.committer = GroupCommitter(
             self.store,
