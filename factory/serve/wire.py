@@ -257,27 +257,14 @@ def _checked(groups: list[Any], shapes: list[dict[str, _Shape | None]], *, many:
     )
 
 
-class _TextGroup(msgspec.Struct):
-    """WireGroup with its 2-D numeric lists kept as JSON text, for numjson to parse."""
+class _TextGroup(WireGroup):
+    """WireGroup with its 2-D numeric lists kept as JSON text, for numjson to parse (same fields, same order)."""
 
     tokens: msgspec.Raw
     masks: msgspec.Raw
-    scores: list[float]
     advantages: msgspec.Raw = _NULL
     ref_logprobs: msgspec.Raw = _NULL
-    messages: msgspec.Raw = _NULL
-    generation_params: msgspec.Raw = _NULL
     inference_logprobs: msgspec.Raw = _NULL
-    overrides: msgspec.Raw = _NULL
-    group_overrides: msgspec.Raw = _NULL
-    images: msgspec.Raw = _NULL
-    env_id: int | None = None
-    distill_token_ids: list[list[list[int]]] | None = None
-    distill_logprobs: list[list[list[float]]] | None = None
-    group_id: str | None = None
-    env: str | None = None
-    item_key: str | None = None
-    policy_version: int | None = None
 
 
 _TEXT_ONE = msgspec.json.Decoder(_TextGroup, strict=False)
