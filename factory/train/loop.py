@@ -62,14 +62,17 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
     out.mkdir(parents=True, exist_ok=True)
     trainer = GRPOTrainer(t)
     resumed_from = latest_checkpoint(out)
+    saved_row = None
     if resumed_from is not None:
-        trainer.restore(resumed_from)
+        saved_row = trainer.restore(resumed_from).get("metrics_row")
         logger.info("resumed from %s at step %d", resumed_from, trainer.step)
     else:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
     metrics = MetricsLog(out / "metrics.jsonl", wandb_run=open_wandb(t.wandb, t.wandb_project, cfg.model_dump(mode="json")))
     metrics.resume(trainer.step)
+    if saved_row is not None and not any(r.get("step") == trainer.step for r in metrics.rows()):
+        metrics.append(saved_row)  # killed after the checkpoint, before its step's row was logged
     if resumed_from is not None and cfg.push.endpoints:
         push_weights(cfg.push.endpoints, resumed_from, trainer.step, timeout_s=cfg.push.timeout_s)
     source = make_source(cfg)
@@ -97,7 +100,7 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
             row.update(wait_s=wait_s, batch=batch_fingerprint(groups), time=time.time())
             session_steps += 1
             if trainer.step % t.checkpoint_every == 0 or trainer.step == t.total_steps:
-                row.update(_checkpoint(cfg, trainer))
+                row.update(_checkpoint(cfg, trainer, row))
                 last_saved = checkpoint_dir(out, trainer.step)
             metrics.append(row)
             logger.info("step %d: reward %.3f, loss %.4f, clip %.3f, grad %.3f, wait %.2fs, compute %.2fs",
@@ -116,9 +119,10 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
             "session_steps": session_steps, "seconds": round(time.monotonic() - started, 2)}
 
 
-def _checkpoint(cfg: TrainJobConfig, trainer: GRPOTrainer) -> dict[str, Any]:
+def _checkpoint(cfg: TrainJobConfig, trainer: GRPOTrainer, row: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Save (with the step's metrics row, restored on resume if the process dies before logging it), prune, push."""
     began = time.perf_counter()
-    path = trainer.save(checkpoint_dir(cfg.train.output_dir, trainer.step))
+    path = trainer.save(checkpoint_dir(cfg.train.output_dir, trainer.step), extra={"metrics_row": dict(row)} if row else None)
     save_s = time.perf_counter() - began
     prune_checkpoints(cfg.train.output_dir, cfg.train.keep_checkpoints)
     push_s = 0.0
