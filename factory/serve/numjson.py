@@ -1,4 +1,4 @@
-"""numjson.c through ctypes: JSON number arrays into numpy buffers, with the GIL released.
+"""numjson.c through ctypes: the number lists of posted bodies into numpy buffers, with the GIL released.
 
 The C file is compiled once per machine (and per change to it) into the user's cache directory with the
 system C compiler. Without a compiler, or with FACTORY_NATIVE_JSON=0, `available()` is False and callers use
@@ -54,10 +54,11 @@ def _build() -> ctypes.CDLL | None:
                 return None
             os.replace(built, target)  # atomic: processes building at once each install a whole file
     library = ctypes.CDLL(str(target))
-    library.nj_read_2d.restype = ctypes.c_long
-    library.nj_read_2d.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                   ctypes.POINTER(ctypes.c_size_t)]
+    library.nj_read_body.restype = ctypes.c_long
+    library.nj_read_body.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.c_void_p]
     return library
 
 
@@ -77,34 +78,53 @@ def available() -> bool:
     return _get() is not None
 
 
-def read_2d(text: bytes, integers: bool) -> tuple[np.ndarray, np.ndarray] | None:
-    """`[[1,2],[3]]` as (values, lengths per inner list), e.g. ([1, 2, 3], [2, 1]): int32 with `integers`,
-    else float64. None when the text is not a JSON array of arrays of numbers that fit (int32: integers only,
-    in range; float64: finite)."""
+FIELDS = ("tokens", "masks", "advantages", "ref_logprobs", "inference_logprobs")
+"""The number-list fields `read_body` reads, in numjson.c's order; the first two are integers."""
+
+
+def read_body(body: bytes, many: bool) -> tuple[bytes, list[dict[str, tuple[np.ndarray, np.ndarray]]]] | None:
+    """A /scored_data body (`many`: a list of objects) read in one pass: (the body with every number-list field
+    it read replaced by [], and per object the fields it read as (values, lengths per inner list), int32 for
+    tokens and masks, float64 for the others). Fields that are not arrays of arrays of plain numbers (null,
+    say) are left in the body. None when the body is not something it takes (see numjson.c): the caller's
+    general decoder decides then."""
     library = _get()
     assert library is not None, "numjson is not available"
-    # Every number takes at least one character and one separator, every inner array two brackets.
-    capacity = len(text) // 2 + 1
+    size = len(body)
+    capacity = size // 2 + 1
+    stripped = np.empty(size, dtype=np.uint8)
+    stripped_size = ctypes.c_size_t(0)
+    values = np.empty(capacity, dtype=np.int32)
+    chars = np.empty(size, dtype=np.uint8)
+    offsets = np.empty(capacity + 1, dtype=np.int32)
     lengths = np.empty(capacity, dtype=np.int32)
-    count = ctypes.c_size_t(0)
-    if integers:
-        values = np.empty(capacity, dtype=np.int32)
-        rows = library.nj_read_2d(text, len(text), 1, values.ctypes.data, None, None, capacity,
-                                  lengths.ctypes.data, capacity, ctypes.byref(count))
-    else:
-        chars = np.empty(len(text), dtype=np.uint8)
-        offsets = np.empty(capacity + 1, dtype=np.int32)
-        rows = library.nj_read_2d(text, len(text), 0, None, chars.ctypes.data, offsets.ctypes.data, capacity,
-                                  lengths.ctypes.data, capacity, ctypes.byref(count))
-    if rows < 0:
-        if rows == _FULL:  # pragma: no cover - the capacities above are upper bounds
+    record_capacity = size // 4 + 1
+    records = np.empty((record_capacity, 4), dtype=np.int32)
+    counts = (ctypes.c_size_t * 4)()
+    groups = library.nj_read_body(body, size, int(many), stripped.ctypes.data, ctypes.byref(stripped_size),
+                                  values.ctypes.data, chars.ctypes.data, offsets.ctypes.data, capacity,
+                                  lengths.ctypes.data, capacity, records.ctypes.data, record_capacity, counts)
+    if groups < 0:
+        if groups == _FULL:  # pragma: no cover - the capacities above are upper bounds
             raise AssertionError("numjson buffer bound was wrong")
         return None
-    n = count.value
-    if integers:
-        return values[:n].copy(), lengths[:rows].copy()  # copies: the buffers above are oversized
-    texts = pa.StringArray.from_buffers(n, pa.py_buffer(offsets[: n + 1]), pa.py_buffer(chars[: offsets[n]]))
-    floats = pc.cast(texts, pa.float64()).to_numpy()  # Arrow's parser: correctly rounded, without the GIL
-    if not np.isfinite(floats).all():
-        return None
-    return floats, lengths[:rows].copy()
+    n_integers, n_floats, _, n_records = counts
+    floats = np.empty(0)
+    if n_floats:
+        texts = pa.StringArray.from_buffers(n_floats, pa.py_buffer(offsets[: n_floats + 1]),
+                                            pa.py_buffer(chars[: offsets[n_floats]]))
+        floats = pc.cast(texts, pa.float64()).to_numpy()  # Arrow's parser: correctly rounded, without the GIL
+        if not np.isfinite(floats).all():
+            return None
+    integers = values[:n_integers].copy()  # copies: the buffers above are oversized
+    row_lengths = lengths[: counts[2]].copy()
+    fields: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(groups)]
+    at_integer = at_float = at_length = 0
+    for group, field, rows, numbers in records[:n_records].tolist():
+        if field < 2:
+            read, at_integer = integers[at_integer : at_integer + numbers], at_integer + numbers
+        else:
+            read, at_float = floats[at_float : at_float + numbers], at_float + numbers
+        fields[group][FIELDS[field]] = (read, row_lengths[at_length : at_length + rows])
+        at_length += rows
+    return stripped[: stripped_size.value].tobytes(), fields

@@ -258,7 +258,8 @@ def _checked(groups: list[Any], shapes: list[dict[str, _Shape | None]], *, many:
 
 
 class _TextGroup(WireGroup):
-    """WireGroup with its 2-D numeric lists kept as JSON text, for numjson to parse (same fields, same order)."""
+    """WireGroup with its 2-D numeric lists kept as raw JSON (same fields, same order): numjson.read_body has
+    read them already and left [] in their place, or they are null."""
 
     tokens: msgspec.Raw
     masks: msgspec.Raw
@@ -275,21 +276,26 @@ _Parsed = tuple[np.ndarray, np.ndarray]
 
 def _decode_native(body: bytes, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str) -> WireGroups | None:
     """decode_groups(build=True) with numjson, or None where the general path must decide."""
-    try:
-        groups = _TEXT_MANY.decode(body) if many else [_TEXT_ONE.decode(body)]
+    read = numjson.read_body(body, many)
+    if read is None:
+        return None
+    stripped, read_fields = read
+    try:  # only what numjson left: messages, scores, ids... (the number lists are [] now)
+        groups = _TEXT_MANY.decode(stripped) if many else [_TEXT_ONE.decode(stripped)]
     except msgspec.DecodeError:  # ValidationError included: the general path names the problem
         return None
+    if len(groups) != len(read_fields):  # pragma: no cover - both read the same list
+        return None
     parsed_groups: list[dict[str, _Parsed | None]] = []
-    for group in groups:
+    for group, found in zip(groups, read_fields):
         fields: dict[str, _Parsed | None] = {}
-        for name, integers in _NATIVE_INTEGERS.items():
-            raw = getattr(group, name)
-            if raw == _NULL and name not in ("tokens", "masks"):
+        for name in _NATIVE_INTEGERS:
+            if name in found:
+                fields[name] = found[name]
+            elif name in ("tokens", "masks") or getattr(group, name) != _NULL:
+                return None  # a field numjson did not read (not numbers): the general path decides
+            else:
                 fields[name] = None
-                continue
-            fields[name] = numjson.read_2d(bytes(raw), integers)
-            if fields[name] is None:
-                return None
         parsed_groups.append(fields)
     shapes = []
     for group, fields in zip(groups, parsed_groups):

@@ -29,6 +29,13 @@ def general_path(monkeypatch):
     return use
 
 
+def read_2d(text: bytes, integers: bool):
+    """The field's (values, lengths) as numjson reads it inside a body, or None if it leaves it (or the body)."""
+    name = b"tokens" if integers else b"inference_logprobs"
+    read = numjson.read_body(b'{"%s": %s}' % (name, text), False)
+    return None if read is None else read[1][0].get(name.decode())
+
+
 @pytest.mark.parametrize(
     ("text", "values", "lengths"),
     [
@@ -39,7 +46,7 @@ def general_path(monkeypatch):
     ],
 )
 def test_integer_lists_are_read(text, values, lengths):
-    read = numjson.read_2d(text, True)
+    read = read_2d(text, True)
     assert read is not None and read[0].tolist() == values and read[1].tolist() == lengths
 
 
@@ -49,7 +56,7 @@ def test_integer_lists_are_read(text, values, lengths):
      b"[1,2]", b"[[1,]]", b"[[1],]", b"[[1]] x", b"[[1]", b"", b"null", b"[[-]]", b"[[+1]]"],
 )
 def test_anything_but_plain_int32_lists_is_left_to_the_general_path(text):
-    assert numjson.read_2d(text, True) is None
+    assert read_2d(text, True) is None
 
 
 def _random_floats(rng: random.Random, count: int) -> list[str]:
@@ -75,7 +82,7 @@ def _random_floats(rng: random.Random, count: int) -> list[str]:
 def test_floats_are_bit_identical_to_msgspec():
     texts = _random_floats(random.Random(7), 20000)
     text = ("[[" + ",".join(texts[:7000]) + "],[],[" + ", ".join(texts[7000:]) + "]]").encode()
-    read = numjson.read_2d(text, False)
+    read = read_2d(text, False)
     assert read is not None
     expected = [value for row in FLOATS.decode(text) for value in row]
     got = read[0].tolist()
@@ -87,7 +94,7 @@ def test_floats_are_bit_identical_to_msgspec():
 @pytest.mark.parametrize("text", [b"[[1e400]]", b"[[1e-400]]", b"[[1e291]]", b"[[NaN]]", b"[[Infinity]]", b"[[.5]]",
                                   b"[[1.]]", b"[[1e]]", b'[["1.5"]]', b"[[1.5,null]]"])
 def test_float_texts_outside_the_plain_range_are_left_to_the_general_path(text):
-    assert numjson.read_2d(text, False) is None
+    assert read_2d(text, False) is None
 
 
 def _bodies() -> list[tuple[bytes, bool]]:
@@ -108,7 +115,33 @@ def _bodies() -> list[tuple[bytes, bool]]:
     bodies += [(b'{"tokens": [[1, 2], [3]], "masks" : [[1,2],[3]],\n "scores": [0.5, 1]}', False)]
     bodies += [(orjson.dumps(make_groups(1)[0]), False), (orjson.dumps(make_groups(5, start=3)), True)]
     bodies += [(orjson.dumps(loose[:5]), True), (orjson.dumps([loose[0], loose[7]]), True)]
+    bodies += [(body, False) for body in _ODD_BODIES] + [(b"[]", True), (b'[{"tokens": [[1]], "masks": [[1]], "scores": [1]}, 3]', True)]
     return bodies
+
+
+_ODD_BODIES = [
+    # the number lists found among other keys whose values hold brackets, quotes, escapes and literals
+    b'{"env": "a\\\"]}[", "tokens": [[1, 2]], "generation_params": {"tokens": [[9]], "x": [true, false, null, -1.5e3]},'
+    b' "masks": [[1, 2]], "scores": [1.0], "messages": [[{"role": "user", "content": "[[1]]"}]]}',
+    b' { "tokens" : [ [ 1 , 2 ] , [ ] ] , "masks" : [[1, 2], []] , "scores" : [ 1 , 0 ] } ',
+    b'{"tok\u0065ns": [[1, 2]], "masks": [[1, 2]], "scores": [1]}',  # an escaped key: the general path reads it
+    b'{"tokens": [[1, 2]], "masks": [[1, 2]], "scores": [1], "tokens": [[3]]}',  # a repeated key
+    b'{"tokens": [[1, 2]], "masks": [[1, 2]], "scores": [1], "advantages": null, "ref_logprobs": []}',
+    b'{"tokens": [[1, 2]], "masks": [[1, 2]], "scores": [1]} trailing',  # not JSON: refused by both
+    b'{"tokens": [[1, 2]], "masks": [[1, 2]], "scores": [1], "env": "unterminated}',
+]
+
+
+def test_whole_bodies_are_read_in_one_pass():
+    body = orjson.dumps(make_groups(2))
+    stripped, fields = numjson.read_body(body, True)
+    assert len(fields) == 2 and set(fields[0]) == {"tokens", "masks", "inference_logprobs"}
+    assert orjson.loads(stripped)[0]["tokens"] == [] and len(stripped) < len(body) // 10
+    values, lengths = fields[1]["tokens"]
+    assert values.tolist() == [t for seq in make_groups(2)[1]["tokens"] for t in seq] and lengths.tolist() == [len(seq) for seq in make_groups(2)[1]["tokens"]]
+    assert numjson.read_body(_ODD_BODIES[0], False)[1][0].keys() == {"tokens", "masks"}  # not generation_params' tokens
+    for body in _ODD_BODIES[2:4]:  # left to the general path
+        assert numjson.read_body(body, False) is None
 
 
 def _decoded(body: bytes, many: bool, *, strict: bool = False):
