@@ -27,11 +27,11 @@ static const char *skip_space(const char *p, const char *end) {
     return p;
 }
 
-static int is_digit(const char *p, const char *end) { return p < end && *p >= '0' && *p <= '9'; }
+static inline int is_digit(const char *p, const char *end) { return p < end && (unsigned char)(*p - '0') < 10; }
 
 /* The end of a JSON number starting at p, or NULL if none starts there (or its exponent is beyond +-290);
  * *is_integer says it has no fraction and no exponent. */
-static const char *number_end(const char *p, const char *end, int *is_integer) {
+static inline const char *number_end(const char *p, const char *end, int *is_integer) {
     if (p < end && *p == '-') p++;
     if (p < end && *p == '0') {
         p++;
@@ -61,16 +61,55 @@ static const char *number_end(const char *p, const char *end, int *is_integer) {
     return p;
 }
 
-static int parse_int32(const char *p, const char *stop, int32_t *out) {
-    int negative = *p == '-';
+/* number_end that also copies the number's text to `to` as it reads it (a memcpy call per number cost more). */
+static inline const char *copy_number(const char *p, const char *end, char *to) {
+    if (p < end && *p == '-') *to++ = *p++;
+    if (p < end && *p == '0') {
+        *to++ = *p++;
+    } else if (p < end && *p >= '1' && *p <= '9') {
+        while (is_digit(p, end)) *to++ = *p++;
+    } else {
+        return NULL;
+    }
+    if (p < end && *p == '.') {
+        *to++ = *p++;
+        if (!is_digit(p, end)) return NULL;
+        while (is_digit(p, end)) *to++ = *p++;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        *to++ = *p++;
+        if (p < end && (*p == '+' || *p == '-')) *to++ = *p++;
+        if (!is_digit(p, end)) return NULL;
+        int exponent = 0;
+        for (; is_digit(p, end); p++) {
+            exponent = exponent * 10 + (*p - '0');
+            if (exponent > 290) return NULL;
+            *to++ = *p;
+        }
+    }
+    return p;
+}
+
+/* The end of the JSON integer at p, read into *out, or NULL if no integer starts there, it has a fraction or an
+ * exponent, or it is outside int32 (one pass: number_end and a second scan cost a third more). */
+static inline const char *read_int32(const char *p, const char *end, int32_t *out) {
+    int negative = p < end && *p == '-';
     if (negative) p++;
-    if (stop - p > 10) return NJ_ERROR;
+    const char *digits = p;
     int64_t value = 0;
-    for (; p < stop; p++) value = value * 10 + (*p - '0');
+    if (p < end && *p == '0') {
+        p++;
+    } else {
+        for (; p < end && (unsigned char)(*p - '0') < 10; p++) {
+            if (p - digits == 10) return NULL;
+            value = value * 10 + (*p - '0');
+        }
+    }
+    if (p == digits || (p < end && (*p == '.' || *p == 'e' || *p == 'E'))) return NULL;
     if (negative) value = -value;
-    if (value < INT32_MIN || value > INT32_MAX) return NJ_ERROR;
+    if (value < INT32_MIN || value > INT32_MAX) return NULL;
     *out = (int32_t)value;
-    return 0;
+    return p;
 }
 
 /* Output buffers of a read: integers go to `values`; other numbers' texts to `chars`, number i (counted over
@@ -106,16 +145,19 @@ static const char *read_array_2d(const char *p, const char *end, int integers, n
                 p++;
             } else {
                 for (;;) {
-                    int is_integer;
-                    const char *stop = number_end(p, end, &is_integer);
-                    if (stop == NULL) return NULL;
                     if (count == out->value_capacity) { out->status = NJ_FULL; return NULL; }
+                    const char *stop;
                     if (integers) {
-                        if (!is_integer || parse_int32(p, stop, out->values + count) != 0) return NULL;
+                        stop = read_int32(p, end, out->values + count);
+                        if (stop == NULL) return NULL;
                     } else {
-                        if (is_integer && stop - p == 2 && p[0] == '-' && p[1] == '0') p++; /* "-0" reads as 0, as msgspec has it */
-                        memcpy(out->chars + used, p, (size_t)(stop - p)); /* fits: the numbers' texts are within text */
+                        stop = copy_number(p, end, out->chars + used); /* fits: the numbers' texts are within text */
+                        if (stop == NULL) return NULL;
                         used += (size_t)(stop - p);
+                        if (stop - p == 2 && p[0] == '-' && p[1] == '0') { /* "-0" reads as 0, as msgspec has it */
+                            used--;
+                            out->chars[used - 1] = '0';
+                        }
                         if (used > INT32_MAX) return NULL;
                         out->offsets[count + 1] = (int32_t)used;
                     }
