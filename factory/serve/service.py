@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import logging
 import math
 import time
@@ -36,6 +35,7 @@ from environments.groups import ScoredGroup
 from factory.serve import numjson
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
+from factory.serve.http import gzip_compress
 from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_arrow, batch_json, encode_groups
@@ -493,7 +493,7 @@ class BatchService:
             body.raw = batch_json(encode_groups(body.table, metadata=self.config.batch_metadata))
         level = self.config.gzip_level
         if compress and body.gz is None and level and len(body.raw) >= self.config.gzip_min_bytes:
-            body.gz = gzip.compress(body.raw, compresslevel=level, mtime=0)
+            body.gz = gzip_compress(body.raw, level)
         return body
 
     def _read(self, keys: list[tuple[int, int]], arrow: bool, compress: bool) -> BatchBody:
