@@ -17,6 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import dask
+
+# Loads distributed's config defaults now: a dask.config.set made before they load drops the whole 'distributed'
+# section when its context ends.
+import distributed  # noqa: F401
 import pytest
 
 from factory.inference.fault_server import FaultServer
@@ -149,8 +154,11 @@ def test_a_cancelled_worker_job_is_replaced_and_its_chunks_run_again(slurm: None
         server.inject(*["slow:1"] * 1000)  # each request takes a second: chunks are in flight when the job dies
         killer = threading.Thread(target=cancel_first_job, daemon=True)
         killer.start()
-        # 24 items: the run must outlast the adaptive cluster's replacement of the cancelled job (~10-20 s here).
-        intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 24, server))
+        # The cluster forgets a lost worker's job only after distributed.deploy.lost-worker-timeout (15 s by
+        # default), and only then does adapt submit a replacement. A faster machine finished the 24 items within
+        # those 15 s on the surviving job, so the test shortens the timeout: the run must outlast the replacement.
+        with dask.config.set({"distributed.deploy.lost-worker-timeout": "2s"}):
+            intern_bootcamp_datagen(**_job(tmp_path, run_id, block, 24, server))
         killer.join(5)
 
     stats = _assert_every_group_once(data, run_id, 24)
