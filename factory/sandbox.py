@@ -164,9 +164,13 @@ def _hidden_paths() -> list[str]:
     return [p for p in candidates if os.path.isdir(p) and not os.path.islink(p) and keep(os.path.realpath(p))]
 
 
+UID_BASE = 1 << 28
+
+
 def _sandbox_uid(run: int) -> int:
-    """A uid of its own per run, so process limits and kill-by-uid are per sandbox."""
-    return 200_000 + (os.getpid() * 1_000 + run) % 1_000_000
+    """A uid of its own per run, so process limits and kill-by-uid are per sandbox: unique among live worker
+    processes (pids < 2^22) and among 64 runs of one process at a time (earlier ones are dead)."""
+    return UID_BASE + ((os.getpid() & 0x3FFFFF) << 6) + run % 64
 
 
 def _kill_uid(uid: int) -> None:

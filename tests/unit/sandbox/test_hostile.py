@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.sandbox import SandboxLimits, missing_requirement, require_sandbox, run_python
+from factory.sandbox import UID_BASE, SandboxLimits, missing_requirement, require_sandbox, run_python
 from factory.sandbox_cgroup import PREFIX, cgroup_support
 
 pytestmark = pytest.mark.skipif(bool(missing_requirement()), reason=missing_requirement() or "ok")
@@ -163,8 +163,8 @@ def program(name: str, host: dict[str, str]) -> str:
 
 def own_uid(uid: int) -> bool:
     """A uid this test process's sandbox runs use (factory.sandbox._sandbox_uid)."""
-    low = 200_000 + (os.getpid() * 1_000) % 1_000_000
-    return low <= uid < low + 1_000
+    low = UID_BASE + ((os.getpid() & 0x3FFFFF) << 6)
+    return low <= uid < low + 64
 
 
 def leftovers() -> list[str]:
