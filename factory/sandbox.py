@@ -5,7 +5,7 @@
     result.ok, result.stdout, result.reason
 
 What a submission gets (see factory/sandbox_launcher.py for how); it runs only where all of it can be set up
-(root, Linux namespaces), never with less:
+(root; or any user where the kernel allows unprivileged user namespaces), never with less:
 
 - its own mount, PID, network, IPC, UTS and cgroup namespaces: no network at all, it sees only its own
   processes, and everything it starts (daemons included) dies with it; SysV and POSIX shared memory,
@@ -13,8 +13,10 @@ What a submission gets (see factory/sandbox_launcher.py for how); it runs only w
 - a read-only, nosuid view of the host with the project, /root, /home, /work, /run and other scratch
   directories hidden; the only writable place is a private tmpfs of `disk_mb` (at /tmp, its cwd, and /dev/shm),
   which is gone when the run ends: nothing it writes reaches the host's disk;
-- its own unprivileged uid (no supplementary groups, no-new-privileges), a minimal environment (`PATH`,
-  `HOME=/tmp`, `LANG`) and the system Python in isolated mode (`-I -S -B`);
+- an unprivileged uid (as root: one of its own per run, no supplementary groups; otherwise a user namespace
+  in which the worker's uid is the only one), no capabilities, no-new-privileges, a seccomp filter against
+  new namespaces, mounts, keyrings, bpf and io_uring, a minimal environment (`PATH`, `HOME=/tmp`, `LANG`) and
+  the system Python in isolated mode (`-I -S -B`);
 - totals for the whole submission: `memory_mb` and `processes` in one control group (cgroup v2, or the v1
   memory and pids hierarchies; tmpfs pages count as memory too); where no cgroup can be made, the fallback is
   per process (address space `memory_mb` x at most `processes` processes of its own uid), and
@@ -103,15 +105,35 @@ class SandboxResult:
         return self.returncode == 0 and not self.reason
 
 
+USERNS_UID = 1000
+"""The program's uid inside its user namespace when the worker is not root (the worker's own uid, mapped)."""
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
 def missing_requirement() -> str:
     """What this host lacks for the sandbox, '' when nothing (cheap checks; `require_sandbox` also tries a run)."""
     if sys.platform != "linux":
         return f"the code sandbox needs Linux namespaces; this is {sys.platform}"
-    if os.geteuid() != 0:
-        return (f"the code sandbox needs root (namespaces, a private tmpfs and a uid of its own per run); this "
-                f"process runs as uid {os.geteuid()}: run the scorer as root")
     if not os.path.exists("/proc/self/ns/ipc"):
         return "the code sandbox needs IPC/PID/network/mount namespaces; this kernel has none (/proc/self/ns/ipc)"
+    if os.geteuid() == 0:
+        return ""
+    if _read_text("/proc/sys/user/max_user_namespaces") == "0":
+        why = "user.max_user_namespaces is 0"
+    elif _read_text("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        why = "kernel.unprivileged_userns_clone is 0"
+    else:
+        why = "" if os.path.exists("/proc/self/ns/user") else "the kernel has no user namespaces"
+    if why:
+        return (f"the code sandbox needs root or unprivileged user namespaces; this process runs as uid "
+                f"{os.geteuid()} and {why}: run the scorer as root, or allow user namespaces (sysctl)")
     return ""
 
 
@@ -194,7 +216,8 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         raise SandboxUnavailable(missing)
     limits = limits or SandboxLimits()
     run = next(_runs)
-    uid = _sandbox_uid(run)
+    userns = os.geteuid() != 0
+    uid = USERNS_UID if userns else _sandbox_uid(run)
     root = Path(tempfile.mkdtemp(prefix="sandbox-"))
     group: Cgroup | None = None
     try:
@@ -203,9 +226,11 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         for name, text in {**(files or {}), "main.py": code}.items():
             (work / name).write_text(text, encoding="utf-8")
         root.chmod(0o700)
-        group = create_cgroup(f"{os.getpid()}-{run}", memory_mb=limits.memory_mb, processes=limits.processes + 2)  # + launcher, init
+        group = create_cgroup(f"{os.getpid()}-{run}", memory_mb=limits.memory_mb,
+                              processes=limits.processes + 2)  # + the launcher and init
         config = {
-            "dir": str(work), "uid": uid, "hide": _hidden_paths(), "report": str(root / "report.json"),
+            "dir": str(work), "uid": uid, "userns": userns, "hide": _hidden_paths(),
+            "report": str(root / "report.json"),
             "cgroup": group.procs_files if group else [],
             "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "processes": limits.processes,
                        "file_mb": limits.file_mb, "open_files": limits.open_files, "disk_mb": limits.disk_mb,
@@ -217,7 +242,8 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
     finally:
         if group is not None:
             group.destroy()
-        _kill_uid(uid)
+        if not userns:  # as root the run's uid is its own; in a user namespace it is the worker's
+            _kill_uid(uid)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -269,7 +295,8 @@ def _read(handle: Any, limit: int) -> str:
 def _why(returncode: int, stderr: str, limits: SandboxLimits, root: Path, group: Cgroup | None) -> str:
     if returncode in (128 + signal.SIGXCPU, -signal.SIGXCPU):
         return "cpu"
-    if returncode in (128 + signal.SIGXFSZ, -signal.SIGXFSZ) or (root / "stdout").stat().st_size >= limits.file_mb << 20:
+    too_big = (root / "stdout").stat().st_size >= limits.file_mb << 20
+    if returncode in (128 + signal.SIGXFSZ, -signal.SIGXFSZ) or too_big:
         return "output"
     if "MemoryError" in stderr or (group is not None and group.oom_kills()):
         return "memory"

@@ -1,8 +1,10 @@
 """The sandbox's first process: joins its cgroup, isolates itself, drops privileges, sets limits, execs the program.
 
-Run by `factory.sandbox` as root, as `python -I -S sandbox_launcher.py CONFIG_JSON` (so it imports nothing from
-the project and nothing from site-packages). Steps; a report file the caller owns says which were done, and
-any step that fails stops the run (exit 125 with the reason in the report) rather than running unconfined:
+Run by `factory.sandbox` as `python -I -S sandbox_launcher.py CONFIG_JSON` (so it imports nothing from the
+project and nothing from site-packages), as root, or as any user where unprivileged user namespaces are allowed
+(`userns`: a new user namespace first, in which the caller's own uid is the only one and the program's).
+Steps; a report file the caller owns says which were done, and any step that fails stops the run (exit 125
+with the reason in the report) rather than running unconfined:
 
 1. join the run's control group(s) (memory and process caps for the whole submission; `factory.sandbox_cgroup`);
 2. new mount, PID, network, IPC, UTS and cgroup namespaces (`unshare`), then fork a PID 1 (init) for the new
@@ -13,7 +15,8 @@ any step that fails stops the run (exit 125 with the reason in the report) rathe
    /dev/shm; empty read-only mounts over the paths to hide (the project, /root, /home, ...); a fresh /proc that
    shows only the sandbox's processes;
 4. rlimits (CPU seconds, address space, processes, file size, open files, no core dumps), no-new-privileges
-   (setuid binaries do not elevate), and an unprivileged uid/gid of its own with no supplementary groups;
+   (setuid binaries do not elevate), an unprivileged uid/gid (as root: one of its own per run, with no
+   supplementary groups), no capabilities, and a seccomp filter (see DENIED);
 5. exec the program with a minimal environment.
 """
 
@@ -24,13 +27,14 @@ import resource
 import sys
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 NAMESPACES = {"mount": CLONE_NEWNS, "pid": CLONE_NEWPID, "network": CLONE_NEWNET, "ipc": CLONE_NEWIPC,
               "uts": CLONE_NEWUTS, "cgroup": CLONE_NEWCGROUP}
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_SET_DUMPABLE = 38, 4
 REFUSED = 125
 
 
@@ -155,11 +159,30 @@ def _refuse(report, report_file, error):
     os._exit(REFUSED)
 
 
-def _wait_and_exit(child, report_file):
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities(libc):
+    """No capabilities left in any set (capset v3: two 32-bit words of each)."""
+    data = (CapData * 2)()
+    _check(libc, libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), data), "capset")
+
+
+def _wait_and_exit(child, report_file, libc, drop_capabilities=False):
     """In the parent: wait for `child` and exit with its status (a signal N as 128 + N); the child returns."""
     if child == 0:
         return
     report_file.close()
+    if drop_capabilities:  # init: nothing the program could borrow, and not attachable with ptrace
+        _check(libc, libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+        _drop_capabilities(libc)
+        _check(libc, libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _seccomp(libc)
     while True:
         pid, status = os.wait()  # as init, also reaps the orphans the program leaves
         if pid == child:
@@ -176,35 +199,45 @@ def main():
     for entry in os.scandir(config["dir"]):  # read now: the private /tmp replaces the host's
         with open(entry.path, "rb") as handle:
             files[entry.name] = handle.read()
+    userns = config.get("userns", False)
+    names = [*NAMESPACES, "user"] if userns else list(NAMESPACES)
     try:
         for procs in config["cgroup"]:
             with open(procs, "w") as handle:
                 handle.write(str(os.getpid()))
-        flags = 0
+        flags = CLONE_NEWUSER if userns else 0
         for flag in NAMESPACES.values():
             flags |= flag
-        _check(libc, libc.unshare(flags), "unshare(" + ", ".join(NAMESPACES) + ")")
+        outer_uid, outer_gid = os.getuid(), os.getgid()
+        _check(libc, libc.unshare(flags), "unshare(" + ", ".join(names) + ")")
+        if userns:  # the caller's uid/gid appear as config["uid"] inside; no other id exists there
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{config['uid']} {outer_uid} 1"),
+                               ("gid_map", f"{config['uid']} {outer_gid} 1")):
+                with open(f"/proc/self/{name}", "w") as handle:
+                    handle.write(text)
     except OSError as error:
         _refuse(report, report_file, error)
-    report["namespaces"] = list(NAMESPACES)
-    _wait_and_exit(os.fork(), report_file)  # the child is PID 1 (init) of the new PID namespace
+    report["namespaces"] = names
+    _wait_and_exit(os.fork(), report_file, libc)  # the child is PID 1 (init) of the new PID namespace
     try:
         report["read_only"] = _isolate_filesystem(libc, config, files)
         report["filesystem"] = True
-        libc.sethostname(b"sandbox", 7)
+        _check(libc, libc.sethostname(b"sandbox", 7), "sethostname")
     except OSError as error:
         _refuse(report, report_file, error)
-    # init stays root and only reaps; the program is its child, so it gets ordinary signal semantics (init
-    # ignores signals it has no handler for: abort() would end in SIGSEGV) and cannot signal its init
-    _wait_and_exit(os.fork(), report_file)
+    # init only reaps (without capabilities); the program is its child, so it gets ordinary signal semantics
+    # (init ignores signals it has no handler for: abort() would end in SIGSEGV) and cannot signal its init
+    _wait_and_exit(os.fork(), report_file, libc, drop_capabilities=True)
     try:
         os.chdir("/tmp")
         _limit(config["limits"])
         _check(libc, libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         uid = config["uid"]
-        os.setgroups([])
+        if not userns:  # in a user namespace the one mapped id is already ours, and setgroups is denied
+            os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+        _drop_capabilities(libc)  # root to uid drops them anyway; in a user namespace this does
         report["seccomp"] = _seccomp(libc)
     except OSError as error:
         _refuse(report, report_file, error)

@@ -125,9 +125,12 @@ def test_a_host_without_the_sandbox_is_refused_at_start_up(monkeypatch):
     """No silent unconfined run: setup() and every run raise one line that names what is missing."""
     import factory.sandbox as sandbox
 
-    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)  # not root, and user namespaces switched off
+    monkeypatch.setattr(sandbox, "_read_text", lambda path: "0" if path.endswith("max_user_namespaces") else "")
     monkeypatch.setattr(sandbox, "_checked", None)
-    with pytest.raises(SandboxUnavailable, match=r"needs root .* uid 1000: run the scorer as root") as error:
+    with pytest.raises(SandboxUnavailable, match=r"needs root or unprivileged user namespaces; this process runs as "
+                                                 r"uid 1000 and user.max_user_namespaces is 0: run the scorer as "
+                                                 r"root, or allow user namespaces \(sysctl\)") as error:
         env().setup()
     assert "\n" not in str(error.value)
     with pytest.raises(SandboxUnavailable):

@@ -33,7 +33,8 @@ def test_v2_where_the_workers_cgroup_delegates_memory_and_pids(fake, tmp_path):
     assert cg.cgroup_support() == (2, str(base))
     assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"  # enabled for the children
     group = cg.create_cgroup("123-0", memory_mb=64, processes=9)
-    assert group is not None and group.version == 2 and group.procs_files == [str(base / f"{cg.PREFIX}123-0/cgroup.procs")]
+    assert group is not None and group.version == 2
+    assert group.procs_files == [str(base / f"{cg.PREFIX}123-0/cgroup.procs")]
     made = base / f"{cg.PREFIX}123-0"
     assert (made / "memory.max").read_text() == str(64 << 20) and (made / "pids.max").read_text() == "9"
     assert (made / "memory.swap.max").read_text() == "0"
