@@ -253,6 +253,8 @@ def _run(config: dict[str, Any], root: Path, stdin: str, limits: SandboxLimits, 
             open(root / "stdin", "w+b") as inp:
         inp.write(stdin.encode())
         inp.seek(0)
+        for name in ("stdin", "stdout", "stderr"):  # reopenable through /dev/stdout by the run's own uid
+            (root / name).chmod(0o666)
         process = subprocess.Popen(
             [sandbox_python(), "-I", "-S", str(LAUNCHER), json.dumps(config)], stdin=inp, stdout=out, stderr=err,
             cwd=root, env=config["env"], start_new_session=True, close_fds=True,

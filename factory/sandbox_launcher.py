@@ -10,7 +10,8 @@ with the reason in the report) rather than running unconfined:
 2. new mount, PID, network, IPC, UTS and cgroup namespaces (`unshare`), then fork a PID 1 (init) for the new
    PID namespace, which forks the program and reaps: when the program exits, init exits with its status and
    the kernel kills every process left in the namespace; its SysV/POSIX IPC objects die with the IPC namespace;
-3. in the mount namespace: every mount read-only and nosuid; one private tmpfs capped at `disk_mb` (and
+3. in the mount namespace: every mount read-only and nosuid; a minimal read-only /dev (null, zero, full,
+   random, urandom; no GPUs, fuse, kmsg or ptys); one private tmpfs capped at `disk_mb` (and
    `inodes` files) as the only writable place, seen at /tmp (the cwd, holding the program's files) and at
    /dev/shm; empty read-only mounts over the paths to hide (the project, /root, /home, ...); a fresh /proc that
    shows only the sandbox's processes;
@@ -31,7 +32,8 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 NAMESPACES = {"mount": CLONE_NEWNS, "pid": CLONE_NEWPID, "network": CLONE_NEWNET, "ipc": CLONE_NEWIPC,
               "uts": CLONE_NEWUTS, "cgroup": CLONE_NEWCGROUP}
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+DEVICES = ("null", "zero", "full", "random", "urandom")
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 PR_SET_NO_NEW_PRIVS, PR_SET_DUMPABLE = 38, 4
@@ -70,17 +72,33 @@ def _read_only_everywhere(libc):
     return "remount"
 
 
+def _minimal_dev(libc):
+    """A /dev of its own, read-only: the harmless devices (DEVICES, bound from the host), the fd symlinks and a
+    mount point for /dev/shm; no GPUs, fuse, kmsg, ptys or disks. Built on /tmp (still the host's) then moved."""
+    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+    for name in DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            open(f"/tmp/{name}", "w").close()
+            _mount(libc, f"/dev/{name}", f"/tmp/{name}", None, MS_BIND)
+    os.mkdir("/tmp/shm")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/tmp/{name}")
+    _mount(libc, None, "/tmp", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    _mount(libc, "/tmp", "/dev", None, MS_MOVE)
+
+
 def _isolate_filesystem(libc, config, files):
     uid, limits = config["uid"], config["limits"]
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     how = _read_only_everywhere(libc)
+    _minimal_dev(libc)
     _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={limits['disk_mb']}m,nr_inodes={limits['inodes']},mode=0755")
     for sub in ("work", "shm"):
         os.mkdir(f"/tmp/{sub}", 0o700 if sub == "work" else 0o1777)
         os.chown(f"/tmp/{sub}", uid, uid)
-    if os.path.isdir("/dev/shm"):
-        _mount(libc, "/tmp/shm", "/dev/shm", None, MS_BIND)
+    _mount(libc, "/tmp/shm", "/dev/shm", None, MS_BIND)
     _mount(libc, "/tmp/work", "/tmp", None, MS_BIND)
     for name, data in files.items():
         path = os.path.join("/tmp", name)

@@ -129,6 +129,11 @@ CASES: dict[str, tuple[str, set[str] | None]] = {
         "        with open(p, 'w') as f:\n            f.write('-1000' if 'oom' in p else str(os.getpid()))\n"
         "        print('ESCAPED', p)\n    except OSError:\n        pass\n"
         "if libc.sethostname(b'pwned', 5) == 0:\n    print('ESCAPED hostname')", {""}),
+    "host devices": ("for p in ('/dev/kmsg', '/dev/fuse', '/dev/ptmx', '/dev/nvidia0', '/dev/nvidiactl', '/dev/kfd', "
+                     "'/dev/dri/card0', '/dev/vda', '/dev/sda', '/dev/mem', '/dev/tty'):\n    try:\n"
+                     "        open(p, 'rb').close()\n        print('ESCAPED', p)\n    except OSError:\n        pass\n"
+                     "if sorted(os.listdir('/dev')) != ['fd', 'full', 'null', 'random', 'shm', 'stderr', 'stdin', "
+                     "'stdout', 'urandom', 'zero']:\n    print('ESCAPED', os.listdir('/dev'))", {""}),
     "segfault": ("ctypes.string_at(0)", {"signal 11"}),
     "abort with core": ("os.abort()", {"signal 6"}),
     "too many open files": ("fs = []\ntry:\n    while True:\n        fs.append(open('/dev/null'))\nexcept OSError:\n"
