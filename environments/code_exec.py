@@ -1,16 +1,22 @@
 """Code execution: write a Python function that passes hidden tests; submissions run in the sandbox.
 
 Problems are the project's own (`PROBLEMS`: a name, a description, hidden test inputs and outputs). The
-model answers with a ```python block; scoring runs it in `factory.sandbox` (own uid, no network, limits on
-CPU, memory, processes, file size and wall clock, throwaway directory) with a harness that calls the function
-on each hidden input and prints the results after a random nonce; the outputs are compared here, so the
-expected values never enter the sandbox. Reward: the fraction of hidden tests passed (`pass_reward` when all
-pass); 0 for no code block, code that crashes, hangs, or misbehaves in any other way.
+model answers with a ```python block; scoring runs it in `factory.sandbox` with a harness that calls the
+function on each hidden input and prints the results after a random nonce; the outputs are compared here, so
+the expected values never enter the sandbox. Reward: the fraction of hidden tests passed (`pass_reward` when
+all pass); 0 for no code block, code that crashes, hangs, or misbehaves in any other way.
+
+Totals per submission (all its processes together), from the config below: memory `memory_mb` (a cgroup;
+tmpfs files count too), processes and threads `processes`, disk `disk_mb` of private tmpfs (the only writable
+place; `file_mb` per file, stdout included), time `wall_s` of wall clock (`cpu_s` CPU seconds per process); no
+network, own IPC/PID/mount namespaces, its own uid. `setup()` refuses a host that cannot isolate submissions
+(one line naming what is missing) and logs which memory limit is in force there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import secrets
@@ -19,7 +25,9 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from environments.base import BaseEnv, EnvConfig, Item
-from factory.sandbox import SandboxLimits, run_python
+from factory.sandbox import SandboxLimits, require_sandbox, run_python, sandbox_summary
+
+log = logging.getLogger(__name__)
 
 PROBLEMS: dict[str, tuple[str, list[tuple[list[Any], Any]]]] = {
     "reverse_words": ("reverse_words(s) returns the words of s in reverse order, joined by single spaces.",
@@ -63,9 +71,18 @@ class CodeExecConfig(EnvConfig):
 
     problems: list[str] | None = Field(None, description="Problem names to draw from; None for all of PROBLEMS.")
     pass_reward: float = Field(1.0, description="Reward when every hidden test passes; partial passes scale it.")
-    cpu_s: int = Field(2, ge=1, description="CPU seconds one submission may use.")
-    wall_s: float = Field(4.0, gt=0, description="Wall-clock seconds before the submission's processes are killed.")
-    memory_mb: int = Field(256, ge=32, description="Address-space limit of the submission.")
+    cpu_s: int = Field(2, ge=1, description="CPU seconds per process of a submission (the wall clock bounds the "
+                                            "total).")
+    wall_s: float = Field(4.0, gt=0, description="Wall-clock seconds per submission before all its processes are "
+                                                 "killed.")
+    memory_mb: int = Field(256, ge=32, description="Memory of the whole submission, all processes and its tmpfs "
+                                                   "files together (cgroup; where the host delegates none: per "
+                                                   "process, and the log says so); also each process's address "
+                                                   "space.")
+    processes: int = Field(16, ge=1, description="Processes and threads of the whole submission together.")
+    disk_mb: int = Field(16, ge=1, description="Private tmpfs of the submission (/tmp and /dev/shm), its only "
+                                               "writable place; gone when it ends.")
+    file_mb: int = Field(1, ge=1, description="Largest file a submission may write, its stdout included.")
     max_tokens: int = Field(256, ge=1, description="Most new tokens per completion.")
 
     @field_validator("problems")
@@ -107,6 +124,17 @@ class CodeExecEnv(BaseEnv):
     config_cls = CodeExecConfig
     config: CodeExecConfig
 
+    @property
+    def limits(self) -> SandboxLimits:
+        c = self.config
+        return SandboxLimits(cpu_s=c.cpu_s, wall_s=c.wall_s, memory_mb=c.memory_mb, processes=c.processes,
+                             disk_mb=c.disk_mb, file_mb=c.file_mb)
+
+    def setup(self) -> None:
+        """Refuse to start where submissions cannot be isolated; log the limits in force on this host."""
+        require_sandbox()
+        log.info("code_exec sandbox per submission: %s", sandbox_summary(self.limits))
+
     def get_item(self, index: int) -> Item:
         names = self.config.problems or sorted(PROBLEMS)
         name = random.Random(f"{self.config.seed}:{index}").choice(names)
@@ -118,8 +146,7 @@ class CodeExecEnv(BaseEnv):
         code = extract_code(completion)
         if code is None or f"def {item.answer}" not in code:
             return 0.0
-        limits = SandboxLimits(cpu_s=self.config.cpu_s, wall_s=self.config.wall_s, memory_mb=self.config.memory_mb)
-        return self.config.pass_reward * run_tests(code, item.answer, PROBLEMS[item.answer][1], limits)
+        return self.config.pass_reward * run_tests(code, item.answer, PROBLEMS[item.answer][1], self.limits)
 
     def is_correct(self, item: Item, completion: str) -> bool:
         return self.score(item, completion) >= self.config.pass_reward

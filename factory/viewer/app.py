@@ -108,6 +108,13 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+def same_origin_path(path: str) -> str:
+    """`path` as a redirect target that can only stay on this origin: exactly one leading '/', then the rest
+    percent-encoded (backslashes, spaces, tabs and other controls included), so `//host`, `/\\host`,
+    `/<tab>/host` (browsers drop raw tabs and newlines) and `scheme:` can never read as another host."""
+    return "/" + quote(path.lstrip("/"), safe="/-._~!$&'()*+,;=:@")
+
+
 class TokenGuard:
     """Bearer token (header), or the cookie set by opening a page once with `?token=...`."""
 
@@ -127,7 +134,7 @@ class TokenGuard:
         given_query = next((value for key, value in query if key == "token"), None)
         if given_query is not None and self._ok(given_query):
             rest = urlencode([(k, v) for k, v in query if k != "token"])
-            location = scope.get("root_path", "") + scope["path"] + (f"?{rest}" if rest else "")
+            location = same_origin_path(scope.get("root_path", "") + scope["path"]) + (f"?{rest}" if rest else "")
             response = RedirectResponse(location, status_code=303)
             response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict", path="/")
             await response(scope, receive, send)
@@ -139,7 +146,8 @@ class TokenGuard:
         except Exception:  # a malformed Cookie header is just no cookie
             cookie = SimpleCookie()
         from_cookie = cookie[COOKIE].value if COOKIE in cookie else ""
-        if (authorization.startswith("Bearer ") and self._ok(authorization[len("Bearer "):])) or self._ok(from_cookie):
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if (scheme.lower() == "bearer" and self._ok(credentials.strip())) or self._ok(from_cookie):
             await self.app(scope, receive, send)
             return
         response = PlainTextResponse(

@@ -9,9 +9,13 @@ scores tokens`, the last one only for its list lengths). A shard whose size
 differs from the commit log, or whose pages fail their checksums, is left out
 and listed in `problems`.
 
-Task family and difficulty come from a `difficulty` column when the shard has
-one, else from InternBootcamp-style item keys `family:difficulty:seed`; other
-keys have family = env and no difficulty.
+Task family and difficulty are each env's own: difficulty is the shard's
+`difficulty` column (what the env put in `item.info["difficulty"]`); the item
+key is read only for the envs whose key format `KEY_LABELS` knows (InternBootcamp's
+`family:difficulty:seed`, where the key also fills a difficulty missing from an
+older shard; reasoning_gym's `rg:dataset:level:seed:index`; code_exec's
+`code:problem:index`). Every other env's family is its name and its difficulty
+only the column, so a `blackjack:SEED:INDEX` key never reads as difficulty SEED.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ logger = logging.getLogger(__name__)
 INDEX_COLUMNS = ["group_id", "env", "item_key", "policy_version", "created_at", "scores", "tokens"]
 TRAIN_METRICS_PATHS = ("train/metrics.jsonl", "metrics.jsonl")
 """Where a run's trainer metrics are looked up, relative to `<store>/<run>/`, first found wins."""
+KEY_LABELS: dict[str, tuple[int, int | None, int | None]] = {
+    "intern_bootcamp": (3, 0, 1),
+    "reasoning_gym": (5, 1, 2),
+    "code_exec": (3, 1, None),
+}
+"""env name -> (parts of its item key split on ':', part holding the task family, part holding the difficulty
+or None); an env not listed has family = its name and difficulty from the `difficulty` column only."""
 _CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
 _RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
 
@@ -57,19 +68,12 @@ def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
     lengths = pa.ListArray.from_arrays(offsets, sequence_lengths)
     frame = pl.from_arrow(table.drop_columns(["tokens"]).append_column("lengths", lengths))
     assert isinstance(frame, pl.DataFrame)
-    parts = pl.col("item_key").str.split(":")
-    parsed_difficulty = (
-        pl.when(parts.list.len() == 3)
-        .then(parts.list.get(1, null_on_oob=True).cast(pl.Int32, strict=False))
-        .otherwise(None)
-    )
-    difficulty = (pl.col("difficulty").cast(pl.Int32, strict=False).fill_null(parsed_difficulty)
-                  if "difficulty" in names else parsed_difficulty)
+    family, difficulty = label_expressions("difficulty" in names)
     return frame.select(
         pl.lit(shard_id, dtype=pl.UInt32).alias("shard"),
         pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"),
         "group_id", "env", "item_key",
-        pl.when(parts.list.len() >= 2).then(parts.list.first()).otherwise(pl.col("env")).alias("family"),
+        family.alias("family"),
         difficulty.alias("difficulty"),
         "policy_version", "created_at", "scores", "lengths",
         pl.col("scores").list.len().cast(pl.Int32).alias("group_size"),
@@ -78,6 +82,22 @@ def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
         pl.col("scores").list.max().alias("score_max"),
         pl.col("lengths").list.mean().alias("length_mean"),
     )
+
+
+def label_expressions(has_difficulty_column: bool) -> tuple[pl.Expr, pl.Expr]:
+    """(family, difficulty) of each row, from the env's own key format (KEY_LABELS) and difficulty column."""
+    parts = pl.col("item_key").str.split(":")
+    family: pl.Expr = pl.col("env")
+    from_key: pl.Expr = pl.lit(None, dtype=pl.Int32)
+    for env, (count, family_part, difficulty_part) in KEY_LABELS.items():
+        match = (pl.col("env") == env) & (parts.list.len() == count)
+        if family_part is not None:
+            family = pl.when(match).then(parts.list.get(family_part, null_on_oob=True)).otherwise(family)
+        if difficulty_part is not None:
+            value = parts.list.get(difficulty_part, null_on_oob=True).cast(pl.Int32, strict=False)
+            from_key = pl.when(match).then(value).otherwise(from_key)
+    column = pl.col("difficulty").cast(pl.Int32, strict=False) if has_difficulty_column else None
+    return family, (column.fill_null(from_key) if column is not None else from_key)
 
 
 @dataclass

@@ -1,20 +1,27 @@
 """Small server-side SVG plots (histogram, line): no JavaScript, no external assets, CSP-clean (no style attributes).
 
-Every text that goes into the markup is escaped here; numbers are formatted
-by Python, so the returned `Markup` is safe to insert into a template.
+Every text that goes into the markup is escaped here, invisible characters
+(bidi controls, ...) as markers; numbers are formatted by Python, so the
+returned `Markup` is safe to insert into a template.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from html import escape
+from html import escape as _html_escape
 
 from markupsafe import Markup
+
+from factory.viewer.render import mark_invisible
 
 WIDTH, HEIGHT = 420, 180
 LEFT, RIGHT, TOP, BOTTOM = 44, 10, 22, 30
 COLORS = ("#3366cc", "#dc3912", "#109618", "#ff9900", "#990099")
+
+
+def escape(text: str) -> str:
+    return _html_escape(mark_invisible(text))
 
 
 def _fmt(value: float) -> str:

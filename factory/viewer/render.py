@@ -8,6 +8,13 @@ are one of those; anything else (remote URLs, SVG, unknown strings) is listed
 as text and never fetched. The prompt is every turn before the first
 assistant turn and a completion every turn from there, so multi-turn
 episodes are shown whole.
+
+Characters that change how text around them reads without showing themselves
+(bidi controls such as RIGHT-TO-LEFT OVERRIDE, zero-width and other format
+characters, tag characters, control characters, invisible fillers) are never
+written raw: every `{{ }}` output shows them as a marker such as `⟨U+202E RLO⟩`,
+and message text (`reveal`) also highlights the marker with its Unicode name.
+Zero-width (non-)joiners stay, as Persian, Indic scripts and emoji need them.
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import base64
 import binascii
 import json
 import re
+import unicodedata
 from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
 
 MASK_IGNORE = -100
 MAX_IMAGES = 16
@@ -30,12 +39,56 @@ _DATA_URL = re.compile(r"^data:(image/(?:png|jpeg|gif|webp));base64,([A-Za-z0-9+
 _BASE64 = re.compile(r"^[A-Za-z0-9+/=\s]{32,}$")
 
 
+INVISIBLE = re.compile(
+    "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2"
+    "\u115f\u1160\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufeff\uffa0"
+    "\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
+    "\U000e0001\U000e0020-\U000e007f\U000e0100-\U000e01ef]")
+"""Characters shown as markers: C0/C1 controls but tab and newlines, every format (Cf) character except the
+zero-width joiner and non-joiner, line/paragraph separators, Hangul fillers, tag characters and the variation
+selectors of the supplement (both used to hide text in plain sight)."""
+_SHORT = {0x202A: "LRE", 0x202B: "RLE", 0x202C: "PDF", 0x202D: "LRO", 0x202E: "RLO", 0x2066: "LRI", 0x2067: "RLI",
+          0x2068: "FSI", 0x2069: "PDI", 0x200E: "LRM", 0x200F: "RLM", 0x061C: "ALM", 0x200B: "ZWSP", 0xFEFF: "BOM",
+          0x00AD: "SHY", 0x2060: "WJ", 0x2028: "LSEP", 0x2029: "PSEP"}
+
+
+def invisible_label(char: str) -> str:
+    """The marker text of one invisible character: `U+202E RLO`, `U+0007`, `U+E0041 TAG`."""
+    code = ord(char)
+    short = _SHORT.get(code) or ("TAG" if 0xE0000 <= code <= 0xE007F else "VS" if code >= 0xE0100 else "")
+    return f"U+{code:04X}" + (f" {short}" if short else "")
+
+
+def mark_invisible(value: Any) -> Any:
+    """Every `{{ }}` output (Jinja's finalize): plain text with invisible characters as `⟨U+202E RLO⟩` markers.
+
+    The markers hold no markup, so this is safe in attributes and titles too; Markup (already rendered HTML,
+    e.g. from `reveal` or `tojson`) passes through."""
+    if isinstance(value, str) and not isinstance(value, Markup) and INVISIBLE.search(value):
+        return INVISIBLE.sub(lambda m: f"⟨{invisible_label(m[0])}⟩", value)
+    return value
+
+
+def reveal(value: Any) -> Markup:
+    """Text for element content: escaped, each invisible character a highlighted marker naming it."""
+    text = value if isinstance(value, str) else str(value)
+    parts, last = [], 0
+    for match in INVISIBLE.finditer(text):
+        parts.append(escape(text[last:match.start()]))
+        name = unicodedata.name(match[0], "control character")
+        parts.append(Markup('<mark class="invisible" title="{}">⟨{}⟩</mark>').format(name, invisible_label(match[0])))
+        last = match.end()
+    parts.append(escape(text[last:]))
+    return Markup("").join(parts)
+
+
 def environment() -> Environment:
-    """The Jinja environment of the viewer's templates (autoescape on for everything)."""
+    """The Jinja environment of the viewer's templates (autoescape on for everything, invisible characters marked)."""
     env = Environment(loader=PackageLoader("factory.viewer", "templates"), autoescape=select_autoescape(default=True,
-                      default_for_string=True), trim_blocks=True, lstrip_blocks=True)
+                      default_for_string=True), trim_blocks=True, lstrip_blocks=True, finalize=mark_invisible)
     env.filters["fmt"] = fmt_number
     env.filters["image_part"] = image_part
+    env.filters["reveal"] = reveal
     return env
 
 

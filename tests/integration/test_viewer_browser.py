@@ -156,3 +156,26 @@ def test_without_the_token_the_browser_gets_401(viewer):
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(f"{url}/run/run-1", timeout=5)
     assert error.value.code == 401
+
+
+def test_bidi_controls_are_marked_and_the_token_redirect_stays_here(viewer, browser):
+    """A completion with RIGHT-TO-LEFT OVERRIDE shows a marker, not reordered text; `?token=` on `//host` or
+    `/\\host` paths lands on this origin."""
+    from selenium.webdriver.common.by import By
+
+    url, store = viewer
+    spoof = "invoice\u202egpj.exe and \u200bzero width"
+    write_chunk(store, "spoof", 0, [make_group(400 + i, "spoof", 0, text=spoof) for i in range(2)], producer="spoof")
+    browser.get(f"{url}/run/spoof?token={TOKEN}")
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "tr.group-row a") or browser.refresh(),
+             what="the spoof run's groups")[0].click()
+    group = wait_for(lambda: browser.find_elements(By.ID, "group"), what="the group page")[0]
+    assert "invoice⟨U+202E RLO⟩gpj.exe and ⟨U+200B ZWSP⟩zero width" in group.text
+    marks = browser.find_elements(By.CSS_SELECTOR, "mark.invisible")
+    assert marks and marks[0].get_attribute("title") == "RIGHT-TO-LEFT OVERRIDE"
+    assert "\u202e" not in browser.page_source
+    browser.save_screenshot(str(ARTIFACTS / "bidi.png"))
+    origin = url + "/"
+    for path in ("//evil.example/", "/%5Cevil.example/", "/%09/evil.example/"):
+        browser.get(f"{url}{path}?token={TOKEN}")
+        assert browser.current_url.startswith(origin), (path, browser.current_url)

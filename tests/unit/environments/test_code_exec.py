@@ -10,7 +10,7 @@ import pytest
 
 from environments.base import EnvSpec, Rollout
 from environments.code_exec import PROBLEMS, CodeExecConfig, CodeExecEnv, extract_code
-from factory.sandbox import SandboxLimits, isolation, run_python
+from factory.sandbox import SandboxLimits, SandboxUnavailable, missing_requirement, run_python
 from tasks.score import score_chunk
 
 REF = "environments.code_exec:CodeExecEnv"
@@ -39,6 +39,13 @@ HOSTILE = {
     "exits early": "raise SystemExit(0)",
     "kills its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + STUB,
     "kills everything": "import os, signal\nos.kill(-1, signal.SIGKILL)\n" + STUB,
+    "sysv shared memory": "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\n"
+                          "for i in range(3):  # 450 MB pinned in detached segments, over the 256 MB cap\n"
+                          "    a = libc.shmat(libc.shmget(0x5A5B0001 + i, 150 << 20, 0o1666), None, 0)\n"
+                          "    ctypes.memset(a, 1, 150 << 20)\n    libc.shmdt(ctypes.c_void_p(a))",
+    "disk fill": "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20)); i += 1",
+    "processes x memory": "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n"
+                          "        x = b'x' * (200 << 20)\n        time.sleep(10)\nx = b'x' * (200 << 20)",
 }
 
 
@@ -53,9 +60,7 @@ def listener():
         yield server.getsockname()[1]
 
 
-NEEDS_NAMESPACES = {"reads the project", "lists /root", "opens a socket", "raw socket"}
-"""Attacks only the network and mount namespaces stop (root or CAP_SYS_ADMIN); elsewhere they are skipped, and
-the sandbox's docstring says what is left (a Python-level socket block, world-readable files readable)."""
+pytestmark = pytest.mark.skipif(bool(missing_requirement()), reason=missing_requirement() or "ok")
 
 
 def hostile(name: str, port: int) -> str:
@@ -94,8 +99,6 @@ def test_reference_like_solutions_pass_every_problem():
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_submission_scores_zero(name, listener):
-    if name in NEEDS_NAMESPACES and not (isolation().get("namespaces") and isolation().get("filesystem")):
-        pytest.skip(f"no network/mount namespaces here ({isolation()}): {name!r} is not stopped")
     e = env()
     started = time.monotonic()
     assert e.score(e.get_item(0), answer(hostile(name, listener))) == 0.0
@@ -103,24 +106,41 @@ def test_hostile_submission_scores_zero(name, listener):
     assert e.score(e.get_item(0), answer(GOOD_GCD)) == 1.0  # and this process is fine
 
 
-def test_sandbox_isolation_on_this_machine():
+def test_sandbox_isolation_on_this_machine(caplog):
     result = run_python("import os\nprint(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))",
                         limits=SandboxLimits(wall_s=5))
     assert result.ok, result.stderr
     uid, pids = result.stdout.split(" ", 1)
-    if os.getuid() == 0:
-        assert int(uid) != 0  # its own unprivileged uid
-    if result.isolation.get("namespaces"):  # root here: network, PID and mount namespaces
-        assert pids.strip() == "['1']" and result.isolation["network"] == "namespace"
-        assert result.isolation["filesystem"] is True
+    assert int(uid) >= 1 << 28 and pids.strip() == "['1', '2']"  # its own uid; its init and itself
+    assert set(result.isolation["namespaces"]) >= {"mount", "pid", "network", "ipc"}
+    assert result.isolation["filesystem"] is True and "MB" in result.isolation["memory_limit"]
     big = run_python("print('y' * 10**7)", limits=SandboxLimits(file_mb=1))
     assert big.reason == "output" and len(big.stdout) <= SandboxLimits().output_chars
+    with caplog.at_level("INFO", logger="environments.code_exec"):
+        env().setup()
+    assert "memory" in caplog.text and "disk 16 MB tmpfs" in caplog.text  # the env says which limits apply
+
+
+def test_a_host_without_the_sandbox_is_refused_at_start_up(monkeypatch):
+    """No silent unconfined run: setup() and every run raise one line that names what is missing."""
+    import factory.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)  # not root, and user namespaces switched off
+    monkeypatch.setattr(sandbox, "_read_text", lambda path: "0" if path.endswith("max_user_namespaces") else "")
+    monkeypatch.setattr(sandbox, "_checked", None)
+    with pytest.raises(SandboxUnavailable, match=r"needs root or unprivileged user namespaces; this process runs as "
+                                                 r"uid 1000 and user.max_user_namespaces is 0: run the scorer as "
+                                                 r"root, or allow user namespaces \(sysctl\)") as error:
+        env().setup()
+    assert "\n" not in str(error.value)
+    with pytest.raises(SandboxUnavailable):
+        run_python("print(1)")
 
 
 def test_hostile_group_in_the_scorer_processes_scores_zero_and_the_workers_stay_healthy(listener):
     spec = EnvSpec(REF, {"problems": ["gcd"], **FAST})
     item = env().get_item(0)
-    names = [n for n in HOSTILE if isolation().get("namespaces") or n not in NEEDS_NAMESPACES]
+    names = list(HOSTILE)
     texts = [answer(hostile(name, listener)) for name in names] + [answer(GOOD_GCD)]
     rollouts = [Rollout(item.key, t, [1], [2], None, "stop", 0) for t in texts]
     parent = os.getpid()
@@ -132,3 +152,5 @@ def test_hostile_group_in_the_scorer_processes_scores_zero_and_the_workers_stay_
     assert again[0].score == 1.0 and os.getpid() == parent
     leftovers = [p for p in os.listdir("/proc") if p.isdigit() and os.stat(f"/proc/{p}").st_uid >= 200_000]
     assert leftovers == [] or all(open(f"/proc/{p}/stat").read().split()[2] == "Z" for p in leftovers)
+    with open("/proc/sysvipc/shm") as segments:  # the SysV segment died with the submission's IPC namespace
+        assert not [line for line in segments if line.split()[0] in (str(0x5A5B0001 + i) for i in range(3))]
