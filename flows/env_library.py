@@ -23,6 +23,7 @@ LIBRARY = {
     "blackjack": "environments.blackjack:BlackjackEnv",
     "llm_judge": "environments.llm_judge:LLMJudgeEnv",
     "shape_count": "environments.shape_count:ShapeCountEnv",
+    "chess": "environments.chess_env:ChessEnv",
 }
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
@@ -94,3 +95,11 @@ def shape_count_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any
                         config_path: str | None = None) -> dict[str, Any]:
     """Multimodal shape counting: generated pictures kept in messages and `images` (deployments/shape_count.yaml)."""
     return _run("shape_count", env, openai, datagen, serve, config_path)
+
+
+@flow(name="chess-datagen", retries=2, retry_delay_seconds=30)
+def chess_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                  datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                  config_path: str | None = None) -> dict[str, Any]:
+    """Chess moves scored by legality and a shallow search, or games against a scripted opponent (deployments/chess.yaml)."""
+    return _run("chess", env, openai, datagen, serve, config_path)

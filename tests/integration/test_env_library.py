@@ -31,6 +31,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "multiple_choice": {"max_tokens": 16, "max_token_length": 512,
                         "data_file": str(REPO / "environments/data/mmlu_sample.jsonl")},
     "shape_count": {"max_tokens": 16, "max_token_length": 512},
+    "chess": {"max_tokens": 16, "max_token_length": 512},
+    "chess_play": {"mode": "play", "diagram": False, "max_moves": 2, "max_tokens": 16, "max_token_length": 512},
     "reasoning_gym": {"max_tokens": 24, "max_token_length": 512, "mix": {"basic_arithmetic": 1, "chain_sum": 1}},
 }
 
@@ -44,7 +46,8 @@ def policy_url():
 
 
 def sample_groups(name: str, policy_url: str, items: int = 2, group_size: int = 3, api: str = "generate"):
-    spec = EnvSpec(LIBRARY[name], {"group_size": group_size, "tokenizer_name": str(STARTER), **CONFIGS[name]})
+    spec = EnvSpec(LIBRARY[name.removesuffix("_play")], {"group_size": group_size, "tokenizer_name": str(STARTER),
+                                                       **CONFIGS[name]})
     env = load_env(spec)
     batch = [env.get_item(i) for i in range(items)]
     tokenizer = load_tokenizer(str(STARTER))
