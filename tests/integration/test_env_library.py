@@ -151,3 +151,60 @@ def test_multi_turn_over_chat_completions_keeps_masks_consistent(policy_url):
         for tokens, masks, conversation in zip(group.tokens, group.masks, group.messages):
             untrained = tokenizer.decode([t for t, m in zip(tokens, masks) if m == MASK_IGNORE])
             assert all(m["content"] in untrained for m in conversation if m["role"] != "assistant")
+
+
+def _pip_install_target(target: Path, *packages: Path) -> None:
+    """Install packages into `target` only (not the interpreter's site-packages): PYTHONPATH makes them visible."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--target", str(target), *map(str, packages)],
+                   check=True, timeout=300, capture_output=True)
+
+
+def test_plugin_package_is_listed_tested_and_run_like_a_builtin(prefect_server, policy_url, tmp_path):
+    """`python -m environments new` writes a package; pip installs it (and a broken plugin) into a --target dir;
+    `list` shows both (the broken one with its error), the package's own tests pass, and `run NAME process`
+    writes its groups to the store through the datagen flow on the starter policy."""
+    import os
+    import subprocess
+    import sys
+
+    from environments.scaffold import new_env
+
+    prefect_yaml = tmp_path / "prefect.yaml"
+    prefect_yaml.write_text((REPO / "prefect.yaml").read_text())
+    new_env("word_sum", tmp_path / "word_sum", prefect_yaml)
+    broken = tmp_path / "broken"
+    (broken / "broken_env").mkdir(parents=True)
+    (broken / "broken_env" / "__init__.py").write_text("import a_dependency_that_is_not_installed\n")
+    (broken / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "broken-env"\nversion = "0.1.0"\n'
+        '[project.entry-points."rollout_factory.environments"]\nbroken = "broken_env:BrokenEnv"\n'
+        '[tool.setuptools]\npackages = ["broken_env"]\n')
+    site = tmp_path / "site"
+    _pip_install_target(site, tmp_path / "word_sum", broken)
+    environ = {**os.environ, **prefect_server, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+    def run(*args, cwd=REPO):
+        return subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True,
+                              timeout=240)
+
+    listed = run("-m", "environments", "list")
+    assert listed.returncode == 0, listed.stderr
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines()}
+    assert "plugin:rollout-factory-word-sum" in lines["word_sum"] and "[ok]" in lines["word_sum"]
+    assert "error: ModuleNotFoundError" in lines["broken"] and "[ok]" in lines["chess"]
+    tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "word_sum" / "tests"),
+                cwd=tmp_path / "word_sum")
+    assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout + tests.stderr
+    store = tmp_path / "store"
+    done = run("-m", "environments", "run", "word_sum", "process", "--config", str(tmp_path / "word_sum" / "word_sum.yaml"),
+               "--env.group_size", "2", "--env.total_items", "2", "--env.max_tokens", "8",
+               "--env.ensure_scores_are_not_same", "false", "--env.tokenizer_name", str(STARTER),
+               "--openai.base_url", policy_url, "--datagen.store_root", str(store), "--datagen.chunk_items", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    groups = list(ShardStore(store).iter_groups("word_sum"))
+    assert len(groups) == 2 and {g.env for g in groups} == {"word_sum"}
