@@ -104,7 +104,7 @@ def test_multi_turn_env_through_the_datagen_flow(prefect_server, policy_url, tmp
 
 
 def test_llm_judge_failures_on_a_judge_that_cannot_judge_are_counted_not_scored(policy_url):
-    """The starter policy as the judge: it never writes a <verdict>, so every group fails loudly."""
+    """The starter policy as the judge: it never writes a verdict, so every group fails loudly (unparseable)."""
     from environments.llm_judge import LLMJudgeConfig, LLMJudgeEnv
 
     env = LLMJudgeEnv(LLMJudgeConfig(group_size=2, max_tokens=8, judge_retries=1, judge_max_tokens=8,
@@ -119,7 +119,7 @@ def test_llm_judge_failures_on_a_judge_that_cannot_judge_are_counted_not_scored(
     chunk = asyncio.run(run())
     grouped = group_chunk("llm_judge", chunk.items, chunk.rollouts, group_size=2, max_token_length=512)
     assert grouped.groups == [] and grouped.dropped["failed"] == 2
-    assert all(r.score is None and r.error.startswith("judge_error") for g in chunk.rollouts for r in g)
+    assert all(r.score is None and r.error.startswith("judge_unparseable") for g in chunk.rollouts for r in g)
     judge = env.__dict__["_judge"][1]
     assert judge.counts["failures"] >= 2 and judge.counts["retries"] >= 2
 
