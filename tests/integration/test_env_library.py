@@ -208,3 +208,93 @@ def test_plugin_package_is_listed_tested_and_run_like_a_builtin(prefect_server, 
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     groups = list(ShardStore(store).iter_groups("word_sum"))
     assert len(groups) == 2 and {g.env for g in groups} == {"word_sum"}
+
+
+# ---- every shipped env against the scripted reference policy (environments/reference_policy.py) ----
+
+REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
+    "gsm8k": {"data_file": str(REPO / "environments/data/gsm8k_sample.jsonl")},
+    "math": {"data_file": str(REPO / "environments/data/math_sample.jsonl")},
+    "multiple_choice": {"data_file": str(REPO / "environments/data/mmlu_sample.jsonl")},
+    "reasoning_gym": {"mix": {"basic_arithmetic": 1, "chain_sum": 1}},
+    "intern_bootcamp": {},
+    "code_exec": {"wall_s": 5.0},
+    "shape_count": {},
+    "chess": {},
+    "chess_play": {"mode": "play", "diagram": False, "max_moves": 2},
+    "tool_calling": {"compact_prompt": True, "max_turns": 5, "max_tokens": 144, "max_token_length": 512},
+    "blackjack": {"max_turns": 3, "max_token_length": 512},
+    "llm_judge": {"opponents": 3},
+}
+REFERENCE_GROUP, REFERENCE_ITEMS = 4, 8
+
+
+@pytest.fixture(scope="module")
+def reference_server():
+    from environments.reference_policy import ReferencePolicy, serve
+
+    policy = ReferencePolicy(REFERENCE_GROUP)
+    with serve(policy) as url:
+        yield policy, url
+
+
+def test_every_shipped_env_has_a_reference_case():
+    from environments.registry import BUILTIN
+
+    assert set(BUILTIN) <= {name.removesuffix("_play") for name in REFERENCE_CONFIGS}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
+def test_env_scores_the_reference_policy_right_and_wrong(name, reference_server):
+    """Right answers score as right, wrong ones as wrong; mixed groups are kept, all-equal ones dropped and counted."""
+    from environments.blackjack import play_out
+    from environments.reference_policy import _blackjack_plans, is_wrong
+    from environments.registry import BUILTIN
+
+    policy, url = reference_server
+    config = {"group_size": REFERENCE_GROUP, **REFERENCE_CONFIGS[name]}
+    if name == "llm_judge":
+        config["judge"] = {"base_url": url, "server_type": "openai", "model_name": "reference-policy"}
+    spec = EnvSpec(BUILTIN[name.removesuffix("_play")], config)
+    env = load_env(spec)
+    items = [env.get_item(i) for i in range(REFERENCE_ITEMS)]
+    policy.add(env, items)
+    tokenizer = load_tokenizer(str(STARTER))
+
+    async def run():
+        config = InferenceConfig(base_url=url, server_type="openai", model_name="reference-policy")
+        async with InferenceClient(config) as client:
+            return await generate_items(env, items, ClientSampler(client, tokenizer, "chat"), max_in_flight=8)
+
+    chunk = asyncio.run(run())
+    assert chunk.failed_items == 0
+    score_chunk(spec, chunk.items, chunk.rollouts, timeout_s=60, workers=1, mode=env.scoring)
+    grouped = group_chunk(name, chunk.items, chunk.rollouts, group_size=REFERENCE_GROUP,
+                          max_token_length=env.config.max_token_length)
+
+    expected_kept = 0
+    for item, rollouts in zip(chunk.items, chunk.rollouts):
+        def first_reply(r):
+            return next(m["content"] for m in r.messages if m["role"] == "assistant") if r.messages else r.text
+
+        right = [r for r in rollouts if not is_wrong(first_reply(r))]
+        wrong = [r for r in rollouts if is_wrong(first_reply(r))]
+        assert len(right) == policy.right_count(item), item.key
+        if name == "llm_judge":  # pairwise: a right answer never loses, a wrong one never wins
+            assert all(r.score >= 0.5 for r in right) and all(r.score <= 0.5 for r in wrong)
+            separable = True
+        elif name == "blackjack":  # the best and the worst plan for the deck, by the env's own rules
+            best, worst = _blackjack_plans(env, item)
+            convo = [*item.messages, *({"role": "assistant", "content": f"<action>{a}</action>"} for a in best)]
+            assert all(r.score == env.score(item, convo) for r in right)
+            convo = [*item.messages, *({"role": "assistant", "content": f"<action>{a}</action>"} for a in worst)]
+            assert all(r.score == env.score(item, convo) for r in wrong)
+            separable = play_out(item.answer, best)[0] != play_out(item.answer, worst)[0]
+        else:
+            assert all(env.is_correct(item, r.scoring_input()) for r in right), [r.text for r in right]
+            assert not any(env.is_correct(item, r.scoring_input()) for r in wrong), [r.text for r in wrong]
+            separable = True
+        expected_kept += bool(right and wrong and separable)
+    assert expected_kept > 0
+    assert len(grouped.groups) == expected_kept
+    assert grouped.dropped["equal_scores"] == REFERENCE_ITEMS - expected_kept, grouped.dropped
