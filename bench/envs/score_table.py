@@ -6,6 +6,7 @@ from the env's own references; it shows the top of the env's scale and that scor
 one answer per eval item), as `python environments/<env>.py evaluate` runs it.
 
     python -m bench.envs.score_table --items 32 [--skip-starter] [--out bench/results/env_scores.json]
+    python -m bench.envs.score_table --markdown     # the README table from the results file
 """
 
 from __future__ import annotations
@@ -40,6 +41,41 @@ CONFIGS: dict[str, dict[str, Any]] = {  # the shipped deployments' env sections,
 }
 
 
+NEEDS = {  # packages beyond the core install, data, network
+    "blackjack": "nothing (own rules)",
+    "chess": "`chess` (python-chess)",
+    "chess_play": "`chess` (python-chess)",
+    "code_exec": "the sandbox (Linux; root for namespaces and its own uid)",
+    "gsm8k": "math-verify; `openai/gsm8k` from the hub (network) or the shipped 40 problems",
+    "intern_bootcamp": "nothing (own generated tasks)",
+    "llm_judge": "a judge endpoint (a second model); shipped 8 prompts",
+    "math": "math-verify; `HuggingFaceH4/MATH-500` from the hub (network) or the shipped 24 problems",
+    "multiple_choice": "`cais/mmlu` from the hub (network) or the shipped 16 questions",
+    "reasoning_gym": "`reasoning-gym==0.1.25` (offline)",
+    "shape_count": "Pillow; a vision model to be meaningful (text-only policies see `<image>`)",
+    "tool_calling": "nothing (own tools and bills)",
+}
+
+
+def markdown(path: str) -> str:
+    """The README table from a results file."""
+    data = json.loads(Path(path).read_text())
+
+    def cell(metrics: dict[str, float] | None) -> str:
+        if not metrics:
+            return "not measured (needs a real judge: the stand-in judge only tells its own answers apart)"
+        if "win_rate_vs_reference" in metrics:
+            return f"{metrics['win_rate_vs_reference']:.2f} win rate vs the reference (the same answer: a tie)"
+        return f"{metrics['mean_score']:.2f} ({metrics['accuracy']:.0%})"
+
+    rows = ["| env | needs | capable (reference policy) | starter policy |", "|---|---|---|---|"]
+    for name, result in sorted(data["results"].items()):
+        label = "`chess` (`mode: play`)" if name == "chess_play" else f"`{name}`"
+        starter = None if name == "llm_judge" else result.get("starter")
+        rows.append(f"| {label} | {NEEDS.get(name, '')} | {cell(result.get('capable'))} | {cell(starter)} |")
+    return "\n".join(rows)
+
+
 def evaluate(name: str, url: str, items: int, judge_url: str, reference: Any | None) -> dict[str, float]:
     config = {"eval_items": items, "max_token_length": 512, **CONFIGS[name]}
     if name == "llm_judge":
@@ -66,7 +102,11 @@ def main() -> None:
     parser.add_argument("--envs", nargs="*", default=sorted(CONFIGS))
     parser.add_argument("--skip-starter", action="store_true")
     parser.add_argument("--out", default=str(REPO / "bench/results/env_scores.json"))
+    parser.add_argument("--markdown", action="store_true", help="print the README table of --out and exit")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.out))
+        return
     from environments.reference_policy import ReferencePolicy, serve
     from factory.inference.local_server import start_local_server
 
@@ -83,6 +123,8 @@ def main() -> None:
         if not args.skip_starter:
             with start_local_server(STARTER) as handle:
                 for name in args.envs:
+                    if name == "llm_judge":  # the stand-in judge cannot judge real answers
+                        continue
                     started = time.perf_counter()
                     results[name]["starter"] = evaluate(name, handle.base_url, args.items, judge_url, None)
                     print(name, "starter", results[name]["starter"], f"{time.perf_counter() - started:.1f}s", flush=True)
