@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after the name goes to the env script's command line untouched
         if len(argv) < 2:
-            print("usage: python -m environments run NAME {process,evaluate,serve} [--config FILE] ...", file=sys.stderr)
+            print("usage: python -m environments run NAME {process,evaluate,serve} [--config FILE] ...",
+                  file=sys.stderr)
             return 2
         from environments.registry import resolve
         from flows.datagen import cli

@@ -45,8 +45,8 @@ CODE_SOLUTIONS = {
     "running_sum": ("def running_sum(xs):\n    out, total = [], 0\n    for x in xs:\n        total += x\n"
                     "        out.append(total)\n    return out\n"),
     "second_largest": "def second_largest(xs):\n    v = sorted(set(xs))\n    return v[-2] if len(v) > 1 else None\n",
-    "flatten": ("def flatten(xs):\n    out = []\n    for x in xs:\n        out.extend(flatten(x) if isinstance(x, list) "
-                "else [x])\n    return out\n"),
+    "flatten": ("def flatten(xs):\n    out = []\n    for x in xs:\n"
+                "        out.extend(flatten(x) if isinstance(x, list) else [x])\n    return out\n"),
 }
 """Reference solutions of code_exec's problems (the env ships tests only)."""
 
@@ -114,7 +114,8 @@ def _replies(env: BaseEnv, item: Item, history: list[dict[str, Any]], right: boo
         letters = "ABCDEFGHIJ"[: len(item.info["choices"])]
         return f"The answer is ({item.answer if right else next(x for x in letters if x != item.answer)})."
     if name in ("gsm8k", "math"):
-        return f"<think>worked it out</think> The answer is \\boxed{{{item.answer if right else _number(item.answer)}}}."
+        answer = item.answer if right else _number(item.answer)
+        return f"<think>worked it out</think> The answer is \\boxed{{{answer}}}."
     if name == "reasoning_gym":  # the item keeps reasoning-gym's whole entry; its gold answer is "answer"
         return f"<answer>{item.answer['answer'] if right else _number(item.answer['answer'])}</answer>"
     if name == "shape_count":

@@ -96,7 +96,7 @@ def shape_count_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any
 def chess_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
                   datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
                   config_path: str | None = None) -> dict[str, Any]:
-    """Chess moves scored by legality and a shallow search, or games against a scripted opponent (deployments/chess.yaml)."""
+    """Chess moves scored by legality and a shallow search, or games against a scripted opponent (chess.yaml)."""
     return _run("chess", env, openai, datagen, serve, config_path)
 
 

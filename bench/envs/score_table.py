@@ -127,7 +127,8 @@ def main() -> None:
                         continue
                     started = time.perf_counter()
                     results[name]["starter"] = evaluate(name, handle.base_url, args.items, judge_url, None)
-                    print(name, "starter", results[name]["starter"], f"{time.perf_counter() - started:.1f}s", flush=True)
+                    seconds = time.perf_counter() - started
+                    print(name, "starter", results[name]["starter"], f"{seconds:.1f}s", flush=True)
     del capable_url
     Path(args.out).write_text(json.dumps({"items": args.items, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

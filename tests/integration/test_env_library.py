@@ -201,7 +201,8 @@ def test_plugin_package_is_listed_tested_and_run_like_a_builtin(prefect_server, 
                 cwd=tmp_path / "word_sum")
     assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout + tests.stderr
     store = tmp_path / "store"
-    done = run("-m", "environments", "run", "word_sum", "process", "--config", str(tmp_path / "word_sum" / "word_sum.yaml"),
+    done = run("-m", "environments", "run", "word_sum", "process",
+               "--config", str(tmp_path / "word_sum" / "word_sum.yaml"),
                "--env.group_size", "2", "--env.total_items", "2", "--env.max_tokens", "8",
                "--env.ensure_scores_are_not_same", "false", "--env.tokenizer_name", str(STARTER),
                "--openai.base_url", policy_url, "--datagen.store_root", str(store), "--datagen.chunk_items", "2")
