@@ -77,9 +77,10 @@ class Episode:
     def length(self) -> int:
         return len(self.prompt_ids or []) + len(self.output_ids)
 
-    def out_of_room(self, env_tokens: int = 128) -> bool:
-        """True when another env turn (about `env_tokens`) and model turn would not fit `max_token_length`."""
-        needed = self.length + env_tokens + self.sampling.max_tokens
+    def out_of_room(self, env_tokens: int = 128, reply_tokens: int | None = None) -> bool:
+        """True when another env turn (about `env_tokens`) and a model turn (`reply_tokens`, default the whole
+        `max_tokens`) would not fit `max_token_length`. A model turn never runs past it: see `model_turn`."""
+        needed = self.length + env_tokens + (self.sampling.max_tokens if reply_tokens is None else reply_tokens)
         return self.max_token_length is not None and needed > self.max_token_length
 
     def add(self, *messages: dict[str, Any]) -> None:
@@ -100,7 +101,12 @@ class Episode:
                 ids = [*(self.prompt_ids or []), *self.output_ids]
         self._pending = []
         kwargs = {"prompt_ids": ids} if ids is not None else {}
-        completion: Completion = (await self.sampler.complete(self.messages, n=1, sampling=self.sampling, **kwargs))[0]
+        sampling = self.sampling
+        if ids is not None and self.max_token_length is not None:  # a later turn gets at most the room that is left
+            room = self.max_token_length - len(ids)
+            if room < sampling.max_tokens:
+                sampling = sampling.model_copy(update={"max_tokens": max(room, 1)})
+        completion: Completion = (await self.sampler.complete(self.messages, n=1, sampling=sampling, **kwargs))[0]
         if self.turns == 0:
             self.prompt_ids = list(completion.prompt_token_ids or []) or None
         self._record(completion)

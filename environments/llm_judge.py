@@ -6,9 +6,11 @@ Each item is a prompt with a rubric (and a reference answer, for `evaluate`); th
 to cancel the judge's position bias: a completion's score is its mean result over those comparisons (win 1,
 tie or split decision 0.5, loss 0). The judge is an OpenAI-compatible endpoint from an
 `InferenceEndpointsBlock` (`env.judge_block`) or `env.judge` (an `openai`-style section); it must answer with
-`<verdict>A</verdict>`, `B` or `tie`. A verdict that cannot be parsed, or a failed request, is retried
-(`judge_retries`, at a small temperature so the retry can differ); when it still fails, the item's rollouts
-get `error="judge_error: ..."` and the group is dropped and counted as `failed`. No comparison is ever
+`<verdict>A</verdict>`, `B` or `tie`; the common other formats are read too (`[[A]]`/`[[C]]` as in MT-bench,
+`Verdict: B`, `{"winner": "A"}`, `Answer A is better`, a bare `A`). A verdict that cannot be parsed, or a
+failed request, is retried (`judge_retries`, at a small temperature so the retry can differ); when it still
+fails, the item's rollouts get `error="judge_unparseable: ..."` (the judge answered without a verdict) or
+`error="judge_error: ..."` (no answer), and the group is dropped and counted as `failed`. No comparison is ever
 silently scored. `evaluate` compares each greedy answer with the reference, in both orders.
 """
 
@@ -42,7 +44,12 @@ JUDGE_PROMPT = (
 
 
 class JudgeError(RuntimeError):
-    """The judge gave no usable verdict after every retry."""
+    """The judge gave no usable verdict after every retry; `reason` says which way it failed."""
+
+    def __init__(self, message: str, reason: str = "judge_error") -> None:
+        super().__init__(message)
+        self.reason = reason
+        """"judge_unparseable" (it answered, but no verdict could be read) or "judge_error" (no answer)."""
 
 
 class LLMJudgeConfig(EnvConfig):
@@ -57,10 +64,31 @@ class LLMJudgeConfig(EnvConfig):
     max_tokens: int = Field(128, ge=1, description="Most new tokens per completion.")
 
 
+_VERDICT_FORMS = [
+    _VERDICT,                                                                     # <verdict>A</verdict>
+    re.compile(r"\[\[\s*(A|B|C|tie)\s*\]\]", re.IGNORECASE),                # MT-bench: [[A]], [[B]], [[C]] = tie
+    re.compile(r"""["']?(?:verdict|winner|better|choice)["']?\s*[:=]\s*["']?\s*(?:answer\s+)?(A|B|tie)\b""",
+               re.IGNORECASE),                                                    # Verdict: A, {"winner": "B"}
+    re.compile(r"\b(?:answer|response|assistant)\s+(A|B)\s+is\s+(?:better|the\s+winner|preferred)", re.IGNORECASE),
+]
+_BARE = re.compile(r"^\W*(?:answer\s+)?(A|B|tie)\W*$", re.IGNORECASE)           # the whole reply: "A", "**B**", "Tie."
+
+
 def parse_verdict(text: str) -> str | None:
-    """'A', 'B' or 'tie' from the judge's reply, or None."""
-    found = _VERDICT.findall(text)
-    return found[-1].upper() if found and found[-1].lower() != "tie" else ("tie" if found else None)
+    """'A', 'B' or 'tie' from the judge's reply in any common format (see `_VERDICT_FORMS`), or None.
+
+    The first format that matches wins, and within it the last match (a judge may quote the format first).
+    """
+    for form in _VERDICT_FORMS:
+        found = form.findall(text)
+        if found:
+            value = found[-1].upper()
+            return "tie" if value in ("TIE", "C") else value
+    bare = _BARE.match(text.strip())
+    if bare:
+        value = bare.group(1).upper()
+        return "tie" if value == "TIE" else value
+    return None
 
 
 def both_orders(first: str | None, second: str | None) -> float:
@@ -78,7 +106,7 @@ class Judge:
 
     async def verdict(self, item: Item, a: str, b: str) -> str:
         prompt = JUDGE_PROMPT.format(prompt=item.info["prompt"], rubric=item.info["rubric"], a=a, b=b)
-        problem = ""
+        problem, reason = "", "judge_error"
         for attempt in range(self.config.judge_retries + 1):
             self.counts["calls"] += 1
             self.counts["retries"] += attempt > 0
@@ -86,14 +114,15 @@ class Judge:
             try:
                 [reply] = await self.client.chat([{"role": "user", "content": prompt}], n=1, sampling=sampling)
             except Exception as error:  # the client already retried transport errors
-                problem = f"{type(error).__name__}: {error}"
+                problem, reason = f"{type(error).__name__}: {error}", "judge_error"
                 continue
             found = parse_verdict(reply.text)
             if found is not None:
                 return found
-            problem = f"no <verdict> in {reply.text[:80]!r}"
+            problem, reason = f"no verdict in {reply.text[:80]!r}", "judge_unparseable"
+            self.counts["unparseable"] += 1
         self.counts["failures"] += 1
-        raise JudgeError(f"judge gave no verdict after {self.config.judge_retries + 1} tries ({problem})")
+        raise JudgeError(f"judge gave no verdict after {self.config.judge_retries + 1} tries ({problem})", reason)
 
     async def compare(self, item: Item, x: str, y: str) -> float:
         """x's result against y, judged twice with the order swapped."""
@@ -167,7 +196,7 @@ class LLMJudgeEnv(BaseEnv):
             if not isinstance(failed, JudgeError):
                 raise failed
             for r in rollouts:
-                r.error = f"judge_error: {failed}"[:300]
+                r.error = f"{failed.reason}: {failed}"[:300]
             logger.warning("item %s: %s", item.key, failed)
             return
         points: dict[int, list[float]] = {i: [] for i in range(len(rollouts))}

@@ -8,6 +8,11 @@ a `tool` message per call (`<tool_response>…</tool_response>`), for at most
 `<answer>` is the final answer. Items are generated (no download): a shop's
 hidden price list, a shopping list, the total to find.
 
+Another round is played only while the conversation has room for the tool results (`response_tokens` per
+call) and a short final turn (`answer_tokens`) within `max_token_length`; a turn never samples past it.
+`compact_prompt` swaps the system prompt for a third of its tokens, so a small context (the starter policy's
+512) holds two or three tool rounds (deployments/tool_calling.yaml; tool_calling_4k.yaml for bigger models).
+
 Reward (a pure function of the conversation): `correct_reward` for the right
 total, plus `call_reward` times (well-formed calls - malformed calls) / calls.
 A call is well formed when its JSON parses, names a known tool and passes the
@@ -47,12 +52,21 @@ SYSTEM_PROMPT = (
     "in <tool_response>. To finish, reply without a call and put the number in <answer></answer>."
 )
 
+COMPACT_SYSTEM_PROMPT = (
+    "Tools: price(good), calculator(expression). Call: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
+    ". Answer: <answer>N</answer>."
+)
+"""For small contexts (the starter policy's 512 tokens): the tools in a third of the full prompt's tokens."""
+
 
 class ToolCallingConfig(EnvConfig):
     """The `env.` section for tool calling."""
 
     system_prompt: str | None = Field(SYSTEM_PROMPT, description="System message describing the tools and formats.")
+    compact_prompt: bool = Field(False, description="Use COMPACT_SYSTEM_PROMPT (when system_prompt is the default).")
     max_turns: int = Field(4, ge=1, description="Most model turns per episode (tool rounds + the final answer).")
+    response_tokens: int = Field(40, ge=1, description="Room kept per tool result when deciding if another round fits.")
+    answer_tokens: int = Field(24, ge=1, description="Room a model turn needs at least (a final <answer>).")
     max_goods: int = Field(2, ge=1, le=len(GOODS), description="Most different goods on a shopping list.")
     correct_reward: float = Field(1.0, description="Reward for the right total in the final <answer>.")
     call_reward: float = Field(0.2, ge=0.0, description="Weight of (well-formed - malformed) / calls.")
@@ -145,10 +159,17 @@ class ToolCallingEnv(BaseEnv):
         return Item(key=f"tools:{self.config.seed}:{index}", messages=self.chat(question), answer=total,
                     info={"prices": prices, "basket": basket})
 
+    def chat(self, user: str) -> list[dict[str, Any]]:
+        if self.config.compact_prompt and self.config.system_prompt == SYSTEM_PROMPT:
+            return [{"role": "system", "content": COMPACT_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+        return super().chat(user)
+
     async def play(self, item: Item, episode: Episode) -> None:
-        for turn in range(self.config.max_turns):
+        cfg = self.config
+        for turn in range(cfg.max_turns):
             calls = parse_calls(await episode.model_turn())
-            if not calls or turn == self.config.max_turns - 1 or episode.out_of_room():
+            if not calls or turn == cfg.max_turns - 1 or episode.out_of_room(cfg.response_tokens * len(calls),
+                                                                               cfg.answer_tokens):
                 return
             episode.add(*({"role": "tool", "content": f"<tool_response>{run_call(c, item.info['prices'])}</tool_response>"}
                           for c in calls))

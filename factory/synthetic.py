@@ -39,7 +39,7 @@ def synthetic_group(
         scores.append(float(rng.choice([1.0, 0.0, -1.0])) if k else 1.0)
         messages.append(
             [
-                {"role": "user", "content": f"Question {index}: what is {index} + {k}?"},
+                {"role": "user", "content": f"Question {index}: what is {index} + 1?"},  # one prompt per group
                 {"role": "assistant", "content": f"<think>adding</think> \\boxed{{{index + k}}}"},
             ]
         )

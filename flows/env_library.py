@@ -4,6 +4,10 @@ Each is `run_datagen` on the env's import path, exactly like `intern-bootcamp-da
 they live here so adding an environment does not touch the core flow module.
 
     prefect deployment run tool-calling-datagen/tool-calling-datagen
+
+`env-datagen` runs any environment by name, a plugin's included (environments/registry.py):
+
+    prefect deployment run env-datagen/my-env-datagen
 """
 
 from __future__ import annotations
@@ -12,18 +16,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.datagen import run_datagen
+from environments.registry import BUILTIN, resolve
+from flows.datagen import ENVIRONMENTS, run_datagen
 
-LIBRARY = {
-    "tool_calling": "environments.tool_calling:ToolCallingEnv",
-    "code_exec": "environments.code_exec:CodeExecEnv",
-    "reasoning_gym": "environments.reasoning_gym_env:ReasoningGymEnv",
-    "math": "environments.math_env:MathEnv",
-    "multiple_choice": "environments.multiple_choice:MultipleChoiceEnv",
-    "blackjack": "environments.blackjack:BlackjackEnv",
-    "llm_judge": "environments.llm_judge:LLMJudgeEnv",
-    "shape_count": "environments.shape_count:ShapeCountEnv",
-}
+LIBRARY = {name: ref for name, ref in BUILTIN.items() if name not in ENVIRONMENTS}
 """Environment name -> import path; each has a `<name>-datagen` flow below and a deployment in prefect.yaml."""
 
 
@@ -94,3 +90,19 @@ def shape_count_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any
                         config_path: str | None = None) -> dict[str, Any]:
     """Multimodal shape counting: generated pictures kept in messages and `images` (deployments/shape_count.yaml)."""
     return _run("shape_count", env, openai, datagen, serve, config_path)
+
+
+@flow(name="chess-datagen", retries=2, retry_delay_seconds=30)
+def chess_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                  datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                  config_path: str | None = None) -> dict[str, Any]:
+    """Chess moves scored by legality and a shallow search, or games against a scripted opponent (chess.yaml)."""
+    return _run("chess", env, openai, datagen, serve, config_path)
+
+
+@flow(name="env-datagen", retries=2, retry_delay_seconds=30)
+def env_datagen(env_name: str, env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
+                datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
+                config_path: str | None = None) -> dict[str, Any]:
+    """Rollouts of any environment by name: a built-in or a plugin registered through an entry point."""
+    return run_datagen(resolve(env_name), env=env, openai=openai, datagen=datagen, serve=serve, config_path=config_path)

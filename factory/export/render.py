@@ -13,6 +13,16 @@ multimodal sequence is left out and counted as `multimodal_needs_output_images`
 (a text-only row would train on a question about a picture it never shows).
 Groups without messages can still be written as text: the prompt is the
 decoded masked (-100) tokens, the completion the decoded trained tokens.
+
+A DPO pair compares two sequences of one group at the first model turn where
+they differ: the prompt is everything they share up to that turn (system,
+user, earlier assistant and tool/env turns), chosen and rejected are that turn
+(the run of consecutive assistant messages, or trained tokens, that starts
+there). So a multi-turn pair never puts one episode's reply after the other
+episode's history, and chosen and rejected always differ. Pairs whose
+sequences are identical are left out as `identical_responses`; pairs that
+part at an environment turn rather than a model turn (an env that is random
+given the history) as `diverged_at_env_turn`.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from environments.groups import MASK_IGNORE
 from factory.export import images as vision
 from factory.export import select as rules
 from factory.export.config import OutputConfig
@@ -42,6 +53,12 @@ _EXTRA = [
 ]
 
 
+IDENTICAL = "identical_responses"
+"""DPO drop reason: chosen and rejected are the same sequence (nothing to prefer)."""
+DIVERGED_AT_ENV_TURN = "diverged_at_env_turn"
+"""DPO drop reason: the two sequences first differ in a turn the model did not write, so no prompt is shared."""
+
+
 class RenderError(ValueError):
     """Rows cannot be rendered as configured; the message names the setting and the fix."""
 
@@ -54,6 +71,63 @@ def split_conversation(messages: list[Message]) -> tuple[list[Message], list[Mes
     if cut == len(messages):
         return None
     return messages[:cut], messages[cut:]
+
+
+def split_at_divergence(chosen: list[Message], rejected: list[Message]
+                        ) -> tuple[list[Message], list[Message], list[Message]] | str:
+    """(shared prompt, chosen turn, rejected turn) at the first assistant message where two conversations differ.
+
+    A turn is the run of consecutive assistant messages that starts there. Returns a drop reason instead when
+    the conversations are identical or first differ in a message that is not the model's.
+    """
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == len(chosen) == len(rejected):
+        return IDENTICAL
+    if any(shared < len(m) and m[shared].get("role") != "assistant" for m in (chosen, rejected)):
+        return DIVERGED_AT_ENV_TURN
+    while shared > 0 and chosen[shared - 1].get("role") == "assistant":  # a turn that parts midway starts earlier
+        shared -= 1
+    sides = []
+    for messages in (chosen, rejected):
+        end = shared
+        while end < len(messages) and messages[end].get("role") == "assistant":
+            end += 1
+        if end == shared:  # this side stopped where the other went on
+            return DIVERGED_AT_ENV_TURN
+        sides.append(messages[shared:end])
+    return chosen[:shared], sides[0], sides[1]
+
+
+def split_tokens_at_divergence(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]
+                               ) -> tuple[int, int, int] | str:
+    """(start, chosen end, rejected end) of the first trained-token run where two (tokens, masks) sequences differ.
+
+    The shared prompt is `tokens[:start]`; each side's turn runs to its own end. Returns a drop reason when the
+    sequences are identical or first differ inside masked (prompt or environment) tokens.
+    """
+    (c_tokens, c_masks), (r_tokens, r_masks) = chosen, rejected
+    shared = 0
+    while (shared < min(len(c_tokens), len(r_tokens)) and c_tokens[shared] == r_tokens[shared]
+           and c_masks[shared] == r_masks[shared]):
+        shared += 1
+    if shared == len(c_tokens) == len(r_tokens):
+        return IDENTICAL
+
+    def trained_at(masks: list[int]) -> bool:  # position `shared` continues or starts a model turn
+        return masks[shared] != MASK_IGNORE if shared < len(masks) else shared > 0 and masks[shared - 1] != MASK_IGNORE
+
+    if not (trained_at(c_masks) and trained_at(r_masks)):
+        return DIVERGED_AT_ENV_TURN
+    start = shared
+    while start > 0 and c_masks[start - 1] != MASK_IGNORE:
+        start -= 1
+
+    def end(masks: list[int]) -> int:
+        return next((i for i in range(shared, len(masks)) if masks[i] == MASK_IGNORE), len(masks))
+
+    return start, end(c_masks), end(r_masks)
 
 
 def _clean(messages: Any) -> list[Message] | None:
@@ -208,20 +282,77 @@ class Renderer:
         return row
 
     def dpo_row(self, group: ExportGroup, pair: Pair) -> dict[str, Any] | None:
-        chosen, rejected = self._parts(group, pair.chosen), self._parts(group, pair.rejected)
-        if chosen is None or rejected is None:
+        """The pair's row: the shared history as prompt, the first differing model turn of each as chosen/rejected.
+
+        None (with the reason in `drop_reason`) when it cannot be rendered or the two sides do not differ.
+        """
+        parts = self._pair_parts(group, pair)
+        if parts is None:
             return None
-        row: dict[str, Any] = {"prompt": chosen[0], "chosen": chosen[1], "rejected": rejected[1]}
+        prompt, chosen, rejected, pictures = parts
+        row: dict[str, Any] = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
         if self.images:
-            if vision.count_placeholders(chosen[1]) or vision.count_placeholders(rejected[1]):
+            if vision.count_placeholders(chosen) or vision.count_placeholders(rejected):
                 self.drop_reason = vision.IMAGE_IN_COMPLETION
                 return None
-            row["images"] = vision.image_column(chosen[2])
+            row["images"] = vision.image_column(pictures)
         if self.extra:
             row["score_chosen"] = group.scores[pair.chosen]
             row["score_rejected"] = group.scores[pair.rejected]
             row.update(self._meta(group))
         return row
+
+    def _pair_parts(self, group: ExportGroup, pair: Pair) -> tuple[Any, Any, Any, list[bytes]] | None:
+        """(prompt, chosen, rejected, prompt pictures) of a pair, split where the two sequences part."""
+        self.drop_reason = rules.UNRENDERABLE
+        conversations = group.messages
+        if conversations is None:
+            if self.images or not self.text:
+                return None
+            if group.images:
+                self.drop_reason = vision.MULTIMODAL_SKIPPED
+                return None
+            split = split_tokens_at_divergence((group.tokens(pair.chosen), group.masks(pair.chosen)),
+                                               (group.tokens(pair.rejected), group.masks(pair.rejected)))
+            if isinstance(split, str):
+                self.drop_reason = split
+                return None
+            start, chosen_end, rejected_end = split
+            tokens, decode = group.tokens(pair.chosen), self.tokenizer.decode
+            return (decode(tokens[:start]), decode(tokens[start:chosen_end]),
+                    decode(group.tokens(pair.rejected)[start:rejected_end]), [])
+        pictures: list[bytes] = []
+        if self.images:
+            try:
+                chosen, pictures = vision.vision_messages(conversations[pair.chosen], group.images)
+                rejected, _ = vision.vision_messages(conversations[pair.rejected], group.images)
+            except vision.Skip as skip:
+                self.drop_reason = skip.reason
+                return None
+        else:
+            chosen, rejected = _clean(conversations[pair.chosen]), _clean(conversations[pair.rejected])
+            if chosen is None or rejected is None or group.images:
+                if any(vision.has_images(conversations[i], group.images) for i in (pair.chosen, pair.rejected)):
+                    self.drop_reason = vision.MULTIMODAL_SKIPPED
+                return None
+        split = split_at_divergence(chosen, rejected)
+        if isinstance(split, str):
+            self.drop_reason = split
+            return None
+        prompt, chosen_turn, rejected_turn = split
+        if self.images:
+            return prompt, chosen_turn, rejected_turn, pictures[: vision.count_placeholders(prompt)]
+        if not self.text:
+            return prompt, chosen_turn, rejected_turn, []
+        head = self._template(prompt, generation_prompt=True)
+        sides = []
+        for turn in (chosen_turn, rejected_turn):
+            full = self._template(prompt + turn, generation_prompt=False)
+            if not full.startswith(head):
+                logger.warning("group %s: chat template output does not extend the prompt; pair left out", group.group_id)
+                return None
+            sides.append(full[len(head):])
+        return head, sides[0], sides[1], []
 
     def content_hash(self, row: dict[str, Any]) -> int:
         """64-bit hash of a row's content columns (not its scores or metadata), for dedup."""

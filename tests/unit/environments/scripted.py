@@ -13,8 +13,9 @@ STARTER = Path(__file__).resolve().parents[3] / "models" / "starter-policy"
 class ScriptedSampler:
     """Answers with scripted replies, token in / token out like /generate (EOS closes a reply, as the server does)."""
 
-    def __init__(self, tokenizer: Any, replies: list[str], *, close: bool = True) -> None:
-        self.tokenizer, self.replies, self.close = tokenizer, list(replies), close
+    def __init__(self, tokenizer: Any, replies: list[str], *, close: bool = True, truncate: bool = False) -> None:
+        self.tokenizer, self.replies, self.close, self.truncate = tokenizer, list(replies), close, truncate
+        """`truncate`: cut a reply at `sampling.max_tokens` (finish_reason "length"), as a server does."""
         self.seen_prompts: list[list[int]] = []
 
     async def complete(self, messages, *, n, sampling, prompt_ids=None):
@@ -28,5 +29,9 @@ class ScriptedSampler:
             output = list(self.tokenizer.encode(text, add_special_tokens=False))
             if self.close:
                 output.append(self.tokenizer.eos_token_id)
-            out.append(Completion(text, ids, output, [-0.5] * len(output), "stop" if self.close else "length", 3, "fake"))
+            finish = "stop" if self.close else "length"
+            if self.truncate and len(output) > sampling.max_tokens:
+                output, finish = output[: sampling.max_tokens], "length"
+                text = self.tokenizer.decode(output, skip_special_tokens=True)
+            out.append(Completion(text, ids, output, [-0.5] * len(output), finish, 3, "fake"))
         return out

@@ -46,9 +46,21 @@ def judged(texts, rule, **config):
 def test_verdict_parsing_right_wrong_and_malformed():
     assert parse_verdict("...<verdict>A</verdict>") == "A" and parse_verdict("<verdict> tie </verdict>") == "tie"
     assert parse_verdict("<verdict>b</verdict>") == "B"
-    assert parse_verdict("A is better") is None and parse_verdict("<verdict>C</verdict>") is None
+    assert parse_verdict("<verdict>C</verdict>") is None and parse_verdict("I cannot decide.") is None
+    assert parse_verdict("The lengths differ") is None and parse_verdict("") is None
     assert both_orders("A", "B") == 1.0 and both_orders("B", "A") == 0.0
     assert both_orders("A", "A") == 0.5 and both_orders("tie", "tie") == 0.5  # position bias cancels
+
+
+@pytest.mark.parametrize("reply, verdict", [
+    ("[[A]]", "A"), ("My final verdict is [[B]].", "B"), ("[[C]]", "tie"), ("Verdict: B", "B"),
+    ("Final verdict: tie", "tie"), ('{"winner": "A"}', "A"), ("winner = answer B", "B"),
+    ("Answer A is better because it cites the rubric.", "A"), ("Response B is preferred.", "B"), ("A", "A"),
+    ("**B**", "B"), ("Tie.", "tie"), ("Answer A", "A"),
+    ("Format: <verdict>A</verdict> or <verdict>B</verdict>. <verdict>B</verdict>", "B"),
+])
+def test_verdicts_in_common_formats(reply, verdict):
+    assert parse_verdict(reply) == verdict
 
 
 def test_group_is_ranked_by_pairwise_wins_in_both_orders():
@@ -73,14 +85,14 @@ def test_unusable_verdicts_are_retried_then_counted_never_scored():
     assert [r.score for r in rollouts] == [0.0, 0.5, 1.0] and judge.counts["retries"] == 6
 
     rollouts, judge = judged(["a", "bb", "ccc"], lambda a, b, s: "I refuse", judge_retries=1)
-    assert all(r.score is None and r.error.startswith("judge_error") for r in rollouts)
-    assert judge.counts["failures"] >= 1
+    assert all(r.score is None and r.error.startswith("judge_unparseable") for r in rollouts)
+    assert judge.counts["failures"] >= 1 and judge.counts["unparseable"] >= 2
 
     def broken(a, b, sampling):
         raise ConnectionError("judge down")
 
     rollouts, _ = judged(["a", "bb"], broken)
-    assert all(r.score is None and "judge down" in r.error for r in rollouts)
+    assert all(r.score is None and "judge down" in r.error and r.error.startswith("judge_error") for r in rollouts)
 
 
 def test_failed_groups_are_dropped_as_failed_and_scorer_leaves_judged_rollouts_alone():

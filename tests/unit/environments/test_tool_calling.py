@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from environments.groups import MASK_IGNORE
 from environments.tool_calling import ToolCallingConfig, ToolCallingEnv, calculate, grade, parse_calls, run_call
 from tasks.group import build_group
 from tests.unit.environments.scripted import ScriptedSampler
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def call(name: str, **arguments: str) -> str:
@@ -82,3 +85,40 @@ def test_episode_stops_after_max_turns(tokenizer):
     [rollout] = asyncio.run(env.collect_trajectories(env.get_item(1), sampler))
     assert [m["role"] for m in rollout.messages][-3:] == ["assistant", "tool", "assistant"]
     assert env.is_correct(env.get_item(1), rollout.scoring_input()) is False
+
+
+def test_the_shipped_config_fits_several_tool_rounds_in_the_starter_context(tokenizer):
+    """deployments/tool_calling.yaml on the starter's 512 tokens: price, price, answer; every result fed back.
+
+    (A calculator round on top needs about 40 tokens more than 512 with this tokenizer: tool_calling_4k.yaml.)"""
+    _check_episode(tokenizer, "tool_calling.yaml", calculator=False)
+
+
+def test_the_4k_config_fits_lookups_a_calculator_round_and_the_answer(tokenizer):
+    _check_episode(tokenizer, "tool_calling_4k.yaml", calculator=True)
+
+
+def _check_episode(tokenizer, config_file, calculator):
+    from flows.datagen import build_job_config
+    from flows.env_library import LIBRARY
+    from tasks.group import sequence_tokens
+
+    cfg = build_job_config(LIBRARY["tool_calling"], config_path=str(REPO / "deployments" / config_file)).env
+    env = ToolCallingEnv(cfg)
+    item = next(env.get_item(i) for i in range(200) if len(env.get_item(i).info["basket"]) == 2)
+    (a, n), (b, m) = item.info["basket"].items()
+    prices = item.info["prices"]
+    replies = [call("price", good=a), call("price", good=b)]
+    if calculator:
+        replies.append(call("calculator", expression=f"{prices[a]}*{n}+{prices[b]}*{m}"))
+    replies.append(f"<answer>{item.answer}</answer>")
+    sampler = ScriptedSampler(tokenizer, replies, truncate=True)
+    rollout = asyncio.run(env.run_episode(item, sampler, env.sampling()))
+    roles = [message["role"] for message in rollout.messages]
+    assert roles.count("assistant") == len(replies) >= 3
+    assert roles.count("tool") == sum(len(parse_calls(reply)) for reply in replies)
+    results = [message["content"] for message in rollout.messages if message["role"] == "tool"]
+    assert results[:2] == [f"<tool_response>{prices[a]}</tool_response>", f"<tool_response>{prices[b]}</tool_response>"]
+    assert env.score(item, rollout.scoring_input()) == pytest.approx(cfg.correct_reward + cfg.call_reward)
+    tokens, _, _ = sequence_tokens(rollout)
+    assert len(tokens) <= cfg.max_token_length and rollout.finish_reason == "stop"
