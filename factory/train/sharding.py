@@ -1,0 +1,100 @@
+"""Model setup for the distributed trainer: load any `AutoModelForCausalLM` directory, optional LoRA and
+gradient checkpointing, then FSDP2 `fully_shard` on every decoder block and on the root.
+
+Blocks are found through the model's own `_no_split_modules` (the class names
+Hugging Face marks as "keep on one device": the decoder layers), so no
+per-architecture code is needed. On CUDA the parameters are kept in float32
+and computed in bf16 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`);
+on CPU everything is float32. Every rank loads the checkpoint into CPU memory
+(safetensors are memory-mapped) before sharding moves its shard to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from factory.train.config import TrainSettings
+from factory.train.world import World
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory cannot be loaded as a causal LM; the message names the path and the cause."""
+
+
+def load_causal_lm(path: str) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(path)` in float32 on CPU, with one clear error if it does not load."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir() or not (Path(path) / "config.json").is_file():
+        raise ModelLoadError(f"train.model_path {path!r} is not a Hugging Face model directory (no config.json there); "
+                             "point it at a directory written by save_pretrained")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as error:  # noqa: BLE001 - any loader failure is reported as one line
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ModelLoadError(f"train.model_path {path!r} does not load as AutoModelForCausalLM: "
+                             f"{type(error).__name__}: {first[:300]}") from error
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules whose class is in the (base) model's `_no_split_modules`: one FSDP unit each."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        logger.warning("%s names no _no_split_modules; sharding the whole model as one unit", type(base).__name__)
+    return blocks
+
+
+def shard_model(model: nn.Module, world: World, *, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 over all ranks: each decoder block its own unit, the rest (embeddings, norm, head) in the root unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    if world.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def build_policy(cfg: TrainSettings, world: World, path: str | None = None) -> nn.Module:
+    """The trainable policy: loaded, LoRA-wrapped when asked, checkpointed when asked, sharded."""
+    model = load_causal_lm(path or cfg.model_path)
+    if cfg.lora.enabled:
+        from factory.train.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+    model.train()
+    return shard_model(model, world, reshard_after_forward=cfg.dist.reshard_after_forward)
+
+
+def build_reference(cfg: TrainSettings, world: World) -> nn.Module:
+    """The frozen reference policy for the KL term, sharded the same way (no gradients, no optimizer state)."""
+    model = load_causal_lm(cfg.model_path)
+    model.eval().requires_grad_(False)
+    return shard_model(model, world, reshard_after_forward=True)
+
+
+def count_parameters(model: nn.Module) -> dict[str, Any]:
+    """Total and trainable parameter counts of the full (unsharded) model."""
+    def numel(p: torch.Tensor) -> int:
+        return p.numel()  # a DTensor reports its global size
+
+    params = list(model.parameters())
+    return {"params": sum(numel(p) for p in params), "trainable": sum(numel(p) for p in params if p.requires_grad)}
