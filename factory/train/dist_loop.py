@@ -33,7 +33,7 @@ from factory.train.dist_trainer import DistGRPOTrainer, WorldSizeError, check_wo
 from factory.train.loop import batch_fingerprint, make_source
 from factory.train.metrics import MetricsLog, open_wandb, plot_reward_curve
 from factory.train.push import push_weights
-from factory.train.sharding import ModelLoadError, build_policy, build_reference, count_parameters
+from factory.train.sharding import ModelLoadError, build_policy, build_reference, check_model_dir, count_parameters
 from factory.train.sources import NoMoreBatches
 from factory.train.weights import export_weights, latest_weights
 from factory.train.world import World
@@ -59,6 +59,7 @@ def run_distributed(cfg: TrainJobConfig, *, stop_after_steps: int | None = None)
     t = cfg.train
     world = World.from_env(t.device)
     check_world(t.batch_size, world.world_size)
+    check_model_dir(t.model_path)
     if t.threads:
         torch.set_num_threads(t.threads)
     out = Path(t.output_dir)

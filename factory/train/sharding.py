@@ -28,19 +28,35 @@ class ModelLoadError(RuntimeError):
     """The model directory cannot be loaded as a causal LM; the message names the path and the cause."""
 
 
-def load_causal_lm(path: str) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained(path)` in float32 on CPU, with one clear error if it does not load."""
-    from transformers import AutoModelForCausalLM
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def check_model_dir(path: str) -> None:
+    """Cheap check before the process group starts: a directory with a config.json that transformers can read."""
+    from transformers import AutoConfig
 
     if not Path(path).is_dir() or not (Path(path) / "config.json").is_file():
         raise ModelLoadError(f"train.model_path {path!r} is not a Hugging Face model directory (no config.json there); "
                              "point it at a directory written by save_pretrained")
     try:
+        AutoConfig.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 - any loader failure is reported as one line
+        raise ModelLoadError(f"train.model_path {path!r} does not load: its config.json is not one transformers "
+                             f"reads: {_first_line(error)}") from error
+
+
+def load_causal_lm(path: str) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(path)` in float32 on CPU, with one clear error if it does not load."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(path)
+    try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - any loader failure is reported as one line
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ModelLoadError(f"train.model_path {path!r} does not load as AutoModelForCausalLM: "
-                             f"{type(error).__name__}: {first[:300]}") from error
+                             f"{_first_line(error)}") from error
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
