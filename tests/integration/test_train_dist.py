@@ -215,3 +215,10 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running()
     except psutil.Error:
         return False
+
+
+def test_dist_bench_smoke_prints_its_table(tmp_path: Path):
+    done = subprocess.run([sys.executable, "-m", "bench.train.dist", "--smoke", "--json-out", str(tmp_path / "b.jsonl")],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 2 ranks | tokens/s/rank |" in done.stdout and "MFU not reported" in done.stdout
