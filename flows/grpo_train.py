@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from pydantic import Field
 
 from factory.config import ConfigError, FactoryConfig, build_config, split_config_path
-from factory.train.config import PushSettings, SourceSettings, TrainJobConfig, TrainSettings
+from factory.train.config import TrainJobConfig
 from factory.train.dist_trainer import check_world
 from factory.train.launch import LocalLaunchSpec, SlurmLaunchSpec
 from tasks.grpo import publish_train_summary_task, run_train_job_task
-
-from pydantic import Field
 
 
 class GrpoTrainParams(FactoryConfig):

@@ -9,7 +9,7 @@ import pytest
 
 from factory.inference.tiny_model import make_tiny_policy
 from factory.store import ShardStore
-from factory.train.launch import LaunchError, SlurmLaunchSpec, check_partition, sbatch_script
+from factory.train.launch import LaunchError, check_partition
 from tests.unit.train.test_resume import _groups
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
@@ -18,14 +18,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 def test_a_partition_that_does_not_exist_fails_before_sbatch(slurm: None):
     with pytest.raises(LaunchError, match="SLURM partition 'no-such-partition' does not exist; known partitions: "):
         check_partition("no-such-partition")
-
-
-def test_sbatch_script_runs_torchrun_on_every_node(tmp_path: Path):
-    script = sbatch_script(SlurmLaunchSpec(nodes=4, gpus_per_node=8, partition="gpu"), tmp_path / "job.yaml",
-                           tmp_path / "train.log")
-    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script and "#SBATCH --partition=gpu" in script
-    assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1" in script
-    assert "--nnodes $SLURM_NNODES --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:$PORT" in script
 
 
 def test_grpo_train_deployment_trains_two_ranks_in_a_slurm_job(slurm: None, prefect_server: dict, tmp_path: Path):
