@@ -58,6 +58,10 @@ class DistSettings(FactoryConfig):
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered layers after forward (ZeRO-3); "
                                                           "False keeps them until backward (ZeRO-2, more memory, less traffic).")
     keep_weights: int = Field(2, ge=1, description="HF weight directories (for inference) kept under output_dir/weights.")
+    load: Literal["rank0", "every_rank"] = Field(
+        "rank0", description="rank0: only rank 0 reads the checkpoint (host RAM: one copy per node), the others build "
+                             "the model on the meta device and receive their shards by broadcast; every_rank: each "
+                             "rank reads it (simpler, one full copy per rank in host RAM).")
 
 
 class TrainSettings(FactoryConfig):

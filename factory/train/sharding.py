@@ -5,8 +5,10 @@ Blocks are found through the model's own `_no_split_modules` (the class names
 Hugging Face marks as "keep on one device": the decoder layers), so no
 per-architecture code is needed. On CUDA the parameters are kept in float32
 and computed in bf16 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`);
-on CPU everything is float32. Every rank loads the checkpoint into CPU memory
-(safetensors are memory-mapped) before sharding moves its shard to the device.
+on CPU everything is float32. By default only rank 0 reads the checkpoint (into
+CPU memory); the other ranks build the model on the meta device, and after
+sharding rank 0 broadcasts the weights tensor by tensor, each rank keeping its
+shard (`train.dist.load: every_rank` reads it on every rank instead).
 """
 
 from __future__ import annotations
@@ -85,26 +87,66 @@ def shard_model(model: nn.Module, world: World, *, reshard_after_forward: bool =
     return model
 
 
+def empty_causal_lm(path: str) -> nn.Module:
+    """The model of `path`'s config on the meta device: structure only, no memory (filled by `broadcast_weights`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_model_dir(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+
+
+def broadcast_weights(model: nn.Module, full: dict[str, torch.Tensor] | None, world: World) -> None:
+    """Collective after sharding: rank 0's full weights become every rank's shards; buffers are copied from rank 0.
+
+    The other ranks' modules are on the meta device until `to_empty` gives their shards memory on this rank's
+    device; `set_model_state_dict(broadcast_from_rank0=True)` then sends one tensor at a time. Buffers are not
+    sharded and some (rotary frequencies) are not in the state dict, so they are broadcast as they are.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not world.is_master:
+        model.to_empty(device=world.device)
+    set_model_state_dict(model, full if world.is_master else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for _, buffer in model.named_buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def _load(cfg: TrainSettings, world: World, path: str, prepare) -> nn.Module:
+    """Load (all ranks, or rank 0 + meta elsewhere), `prepare` (LoRA, checkpointing, freezing), shard, fill."""
+    rank0_only = cfg.dist.load == "rank0" and world.world_size > 1
+    model = load_causal_lm(path) if (world.is_master or not rank0_only) else empty_causal_lm(path)
+    model = prepare(model)
+    full = dict(model.state_dict()) if rank0_only and world.is_master else None  # the unsharded tensors, by reference
+    shard_model(model, world, reshard_after_forward=cfg.dist.reshard_after_forward)
+    if rank0_only:
+        broadcast_weights(model, full, world)
+    del full
+    return model
+
+
 def build_policy(cfg: TrainSettings, world: World, path: str | None = None) -> nn.Module:
     """The trainable policy: loaded, LoRA-wrapped when asked, checkpointed when asked, sharded."""
-    model = load_causal_lm(path or cfg.model_path)
-    if cfg.lora.enabled:
-        from factory.train.lora import apply_lora
 
-        model = apply_lora(model, cfg.lora)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "config"):
-            model.config.use_cache = False
-    model.train()
-    return shard_model(model, world, reshard_after_forward=cfg.dist.reshard_after_forward)
+    def prepare(model: nn.Module) -> nn.Module:
+        if cfg.lora.enabled:
+            from factory.train.lora import apply_lora
+
+            model = apply_lora(model, cfg.lora)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "config"):
+                model.config.use_cache = False
+        return model.train()
+
+    return _load(cfg, world, path or cfg.model_path, prepare)
 
 
 def build_reference(cfg: TrainSettings, world: World) -> nn.Module:
     """The frozen reference policy for the KL term, sharded the same way (no gradients, no optimizer state)."""
-    model = load_causal_lm(cfg.model_path)
-    model.eval().requires_grad_(False)
-    return shard_model(model, world, reshard_after_forward=True)
+    return _load(cfg, world, cfg.model_path, lambda model: model.eval().requires_grad_(False))
 
 
 def count_parameters(model: nn.Module) -> dict[str, Any]:
