@@ -7,7 +7,7 @@
 1. build and validate the config (train., source., push. sections as in `train-grpo`), resolve paths
 2. pick the infrastructure: the named block (`factory-local-torchrun/...` or `factory-slurm-torchrun/...`),
    or local torchrun with `nproc_per_node` ranks; `nodes` / `gpus_per_node` override the block's
-3. check the world size divides the batch, then launch `torchrun -m flows.train --config <output_dir>/job_config.yaml`
+3. check the world size divides the batch and the model directory loads, then launch `torchrun -m flows.train --config <output_dir>/job_config.yaml`
 4. follow it: its log lines go to this flow run's log, its metrics rows to a progress artifact
 5. publish the summary (or fail with the job's one telling line: the trainer's setup error, the dead rank)
 
@@ -27,6 +27,7 @@ from factory.config import ConfigError, FactoryConfig, build_config, split_confi
 from factory.train.config import TrainJobConfig
 from factory.train.dist_trainer import check_world
 from factory.train.launch import LocalLaunchSpec, SlurmLaunchSpec
+from factory.train.sharding import check_model_dir
 from tasks.grpo import publish_train_summary_task, run_train_job_task
 
 
@@ -93,6 +94,7 @@ def grpo_train(train: dict[str, Any] | None = None, source: dict[str, Any] | Non
     spec = resolve_launcher(params)
     world = world_size_of(spec)
     check_world(cfg.train.batch_size, world)
+    check_model_dir(cfg.train.model_path)  # the job checks it again on its nodes; this fails before any sbatch
     logger.info("GRPO on %s, %d rank(s) via %s, %d steps of %d sequences -> %s", cfg.train.model_path, world,
                 spec.kind, cfg.train.total_steps, cfg.train.batch_size, cfg.train.output_dir)
     summary = run_train_job_task(spec, cfg, timeout_s=timeout_s)
