@@ -45,7 +45,16 @@ def train_grpo(train: dict[str, Any] | None = None, source: dict[str, Any] | Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    """One process: the `train-grpo` flow. Under torchrun (`torchrun --nproc-per-node N -m flows.train ...`): every
+    rank runs the sharded trainer (factory/train/dist_loop.py) without a flow; `grpo-train` (flows/grpo_train.py)
+    is the Prefect flow that launches such a job locally or on SLURM and follows it."""
     args = list(sys.argv[1:] if argv is None else argv)
+    from factory.train.world import under_torchrun
+
+    if under_torchrun():
+        from factory.train.dist_loop import main_distributed
+
+        sys.exit(main_distributed(args))
     yaml_path, overrides = split_config_path(args)
     cfg = build_train_config(config_path=yaml_path, cli_args=overrides)
     summary = train_grpo(train=cfg.train.model_dump(mode="json"), source=cfg.source.model_dump(mode="json"),

@@ -130,9 +130,13 @@ def collate(sequences: list[TrainSequence], weights: list[float], pad_id: int = 
 
 
 def micro_batches(sequences: list[TrainSequence], size: int, aggregation: Literal["token_mean", "sequence_mean"],
-                  pad_id: int = 0) -> list[MicroBatch]:
-    """The step's sequences cut into micro-batches (longest first, less padding), weights over the whole step."""
-    weights = token_weights(sequences, aggregation)
+                  pad_id: int = 0, weights: list[float] | None = None) -> list[MicroBatch]:
+    """The step's sequences cut into micro-batches (longest first, less padding), weights over the whole step.
+
+    `weights` (one per sequence) overrides the weights computed from `sequences`: a rank of the distributed
+    trainer passes its share of the weights computed over the whole step's batch.
+    """
+    weights = token_weights(sequences, aggregation) if weights is None else weights
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i].inputs))
     out = []
     for start in range(0, len(order), size):

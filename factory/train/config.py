@@ -35,6 +35,35 @@ class OptimConfig(FactoryConfig):
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward; a step accumulates micro-batches.")
 
 
+class LoraSettings(FactoryConfig):
+    """`train.lora.`: optional LoRA adapters (peft) on the policy; only the adapters train."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights (needs the `lora` extra: peft).")
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input (0 keeps steps deterministic).")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      description="Linear layers (by name suffix) that get adapters.")
+    push: Literal["merged", "adapter"] = Field(
+        "merged", description="merged: weight dirs hold base + B@A*scale as plain HF weights (any server loads them); "
+                              "adapter: they hold the adapter only (adapter_model.safetensors + adapter_config.json).")
+
+
+class DistSettings(FactoryConfig):
+    """`train.dist.`: the torch.distributed trainer (used when the flow runs under torchrun)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Process-group backend; auto: nccl on CUDA, else gloo.")
+    timeout_s: float = Field(600.0, gt=0, description="A collective that waits longer than this fails the job "
+                                                       "(covers a hung rank; a dead rank is ended by torchrun at once).")
+    reshard_after_forward: bool = Field(True, description="FSDP2: free gathered layers after forward (ZeRO-3); "
+                                                          "False keeps them until backward (ZeRO-2, more memory, less traffic).")
+    keep_weights: int = Field(2, ge=1, description="HF weight directories (for inference) kept under output_dir/weights.")
+    load: Literal["rank0", "every_rank"] = Field(
+        "rank0", description="rank0: only rank 0 reads the checkpoint (host RAM: one copy per node), the others build "
+                             "the model on the meta device and receive their shards by broadcast; every_rank: each "
+                             "rank reads it (simpler, one full copy per rank in host RAM).")
+
+
 class TrainSettings(FactoryConfig):
     """The `train.` section: model, steps, checkpoints, device."""
 
@@ -49,6 +78,9 @@ class TrainSettings(FactoryConfig):
     seed: int = Field(0, description="Seed of torch/python RNGs at a fresh start.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with bf16 autocast when present, else CPU.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own choice / OMP_NUM_THREADS).")
+    gradient_checkpointing: bool = Field(False, description="Recompute decoder layers in backward (less activation memory).")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="Optional LoRA adapters (distributed trainer).")
+    dist: DistSettings = Field(default_factory=DistSettings, description="torch.distributed settings (under torchrun).")
     loss: LossConfig = Field(default_factory=LossConfig, description="Advantages and loss.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
     wandb: bool = Field(False, description="Also log metrics to Weights & Biases (only if wandb is installed).")

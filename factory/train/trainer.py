@@ -53,6 +53,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def accumulate(totals: dict[str, float], sums: dict[str, float]) -> None:
+    """Add one micro-batch's loss sums into the step's totals (min/max for the ratio bounds)."""
+    for key, value in sums.items():
+        if key == "ratio_min":
+            totals[key] = min(totals.get(key, float("inf")), value)
+        elif key == "ratio_max":
+            totals[key] = max(totals.get(key, float("-inf")), value)
+        else:
+            totals[key] = totals.get(key, 0.0) + value
+
+
+def step_metrics(step: int, batch: StepBatch, t: dict[str, float], grad_norm: float, lr: float,
+                 compute_s: float) -> dict[str, Any]:
+    """The metrics row of optimizer step `step` from the whole batch and the step's summed loss totals."""
+    n = max(t.get("tokens", 0.0), 1.0)
+    scores = batch.scores
+    mean = sum(scores) / len(scores)
+    std = (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5
+    all_tokens = sum(len(s.inputs) + 1 for s in batch.sequences)
+    lag = (step - 1 - min(batch.policy_versions)) if batch.policy_versions else None
+    return {
+        "step": step,
+        "loss": t.get("loss", 0.0),
+        "reward_mean": mean,
+        "reward_std": std,
+        "groups": batch.groups,
+        "sequences": len(batch.sequences),
+        "zero_adv_frac": batch.zero_advantage_groups / max(batch.groups, 1),
+        "clip_frac": t.get("clipped", 0.0) / n,
+        "capped_frac": t.get("capped", 0.0) / n,
+        "ratio_mean": t.get("ratio_sum", 0.0) / n,
+        "ratio_min": t["ratio_min"] if t.get("tokens") else 1.0,
+        "ratio_max": t["ratio_max"] if t.get("tokens") else 1.0,
+        "logprob_diff_abs": t.get("logprob_diff_abs_sum", 0.0) / n,
+        "kl": t.get("kl_sum", 0.0) / n,
+        "entropy": t.get("entropy_sum", 0.0) / n,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "trained_tokens": int(t.get("tokens", 0)),
+        "tokens": all_tokens,
+        "tokens_per_s": all_tokens / compute_s if compute_s > 0 else None,
+        "compute_s": compute_s,
+        "policy_lag": lag,
+    }
+
+
 class GRPOTrainer:
     """Model + optimizer + schedule; `step` counts optimizer steps taken."""
 
@@ -109,13 +155,7 @@ class GRPOTrainer:
             mb = mb.to(self.device)
             loss, sums = self._micro_loss(mb)
             loss.backward()
-            for key, value in sums.items():
-                if key == "ratio_min":
-                    totals[key] = min(totals[key], value)
-                elif key == "ratio_max":
-                    totals[key] = max(totals[key], value)
-                else:
-                    totals[key] = totals.get(key, 0.0) + value
+            accumulate(totals, sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -127,36 +167,7 @@ class GRPOTrainer:
         return self._metrics(batch, totals, float(grad_norm), lr, compute_s)
 
     def _metrics(self, batch: StepBatch, t: dict[str, float], grad_norm: float, lr: float, compute_s: float) -> dict[str, Any]:
-        n = max(t.get("tokens", 0.0), 1.0)
-        scores = batch.scores
-        mean = sum(scores) / len(scores)
-        std = (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5
-        all_tokens = sum(len(s.inputs) + 1 for s in batch.sequences)
-        lag = (self.step - 1 - min(batch.policy_versions)) if batch.policy_versions else None
-        return {
-            "step": self.step,
-            "loss": t.get("loss", 0.0),
-            "reward_mean": mean,
-            "reward_std": std,
-            "groups": batch.groups,
-            "sequences": len(batch.sequences),
-            "zero_adv_frac": batch.zero_advantage_groups / max(batch.groups, 1),
-            "clip_frac": t.get("clipped", 0.0) / n,
-            "capped_frac": t.get("capped", 0.0) / n,
-            "ratio_mean": t.get("ratio_sum", 0.0) / n,
-            "ratio_min": t["ratio_min"] if t.get("tokens") else 1.0,
-            "ratio_max": t["ratio_max"] if t.get("tokens") else 1.0,
-            "logprob_diff_abs": t.get("logprob_diff_abs_sum", 0.0) / n,
-            "kl": t.get("kl_sum", 0.0) / n,
-            "entropy": t.get("entropy_sum", 0.0) / n,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "trained_tokens": int(t.get("tokens", 0)),
-            "tokens": all_tokens,
-            "tokens_per_s": all_tokens / compute_s if compute_s > 0 else None,
-            "compute_s": compute_s,
-            "policy_lag": lag,
-        }
+        return step_metrics(self.step, batch, t, grad_norm, lr, compute_s)
 
     # ---- checkpoints ----
     def save(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
