@@ -57,7 +57,12 @@ class ServeConfig(FactoryConfig):
     ingest_wait_s: float = Field(30.0, gt=0, description="Longest a post waits for the ingest budget before a 503 + Retry-After.")
     strict: bool = Field(
         False, description="Refuse (422, naming the field) posted groups whose masks/advantages/logprobs/messages/overrides "
-        "don't line up with tokens; by default they are stored as sent, as Atropos does, and counted in /status 'unaligned'.",
+        "don't line up with tokens, that give strings for numbers or floats for ints, NaN or infinities in any spelling, "
+        "or negative token ids (or ids >= vocab_size); by default they are stored as sent, as Atropos does, and "
+        "misaligned fields are counted in /status 'unaligned'.",
+    )
+    vocab_size: int | None = Field(
+        None, ge=1, description="With strict: token ids must be below this (the policy's vocabulary size); None: no bound.",
     )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")
