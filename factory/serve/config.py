@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from factory.config import FactoryConfig
@@ -46,6 +48,12 @@ class ServeConfig(FactoryConfig):
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
+    batch_order: Literal["oldest_first", "newest_first"] = Field(
+        "oldest_first", description="Which queued groups /batch takes first. oldest_first (default): arrival order, so "
+        "no group waits behind newer ones and staleness stays bounded. newest_first: the most recent first, as "
+        "Atropos serves (it forms every batch it can at once and hands out the newest; here each batch is formed "
+        "from the newest groups at the time of the request).",
+    )
     batch_metadata: bool = Field(False, description="Add group_id, env and policy_version to each group in /batch responses.")
     ingest_budget_mb: float = Field(
         48.0, gt=0, description="Decompressed bytes of posted bodies decoded and awaiting commit at once (bounds memory); "
