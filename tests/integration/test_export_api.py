@@ -33,6 +33,11 @@ def _atropos_like_app(groups: list[dict], per_batch: int) -> FastAPI:
     state = {"registered": None, "queue": list(groups), "batches_served": 0}
     app.state.data = state
 
+    @app.get("/reset_data")
+    async def reset_data() -> str:
+        state["resets"] = state.get("resets", 0) + 1
+        return "Reset successful"
+
     @app.post("/register")
     async def register(body: dict) -> dict:
         state["registered"] = body
@@ -81,8 +86,8 @@ def test_sft_gen_reads_batches_until_the_row_limit(tmp_path):
     with _Server(app) as url:
         out = tmp_path / "sft.jsonl"
         code = main("sft", [str(out), "--api-url", url, "--num-seqs-to-save", "30", "--group-size", "4",
-                            "--tasks-per-step", "2", "--quiet"])
-    assert code == 0
+                            "--tasks-per-step", "2", "--save-messages", "--quiet"])
+    assert code == 0 and app.state.data["resets"] == 1  # /reset_data, then /register, as Atropos's CLI
     assert app.state.data["registered"]["batch_size"] == 8  # group_size * tasks_per_step, as Atropos registers
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30
@@ -98,7 +103,7 @@ def test_dpo_gen_stops_when_the_api_stays_empty(tmp_path):
     with _Server(app) as url:
         out = tmp_path / "dpo"
         code = main("dpo", [str(out), "--api-url", url, "--num-seqs-to-save", "1000", "--api-idle-timeout", "1.5",
-                            "--quiet"])
+                            "--layout", "trl", "--quiet"])
     assert code == 0
     assert app.state.data["batches_served"] == 2
     import datasets
@@ -109,7 +114,7 @@ def test_dpo_gen_stops_when_the_api_stays_empty(tmp_path):
 
 
 def test_unreachable_api_is_reported(tmp_path, capsys):
-    code = main("sft", [str(tmp_path / "o"), "--api-url", f"http://127.0.0.1:{free_port()}", "--quiet"])
+    code = main("sft", [str(tmp_path / "o"), "--api-url", f"http://127.0.0.1:{free_port()}", "--save-messages", "--quiet"])
     assert code == 1 and "cannot reach the batching API" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -128,7 +133,8 @@ def _factory_api(tmp_path: Path, name: str, *extra: str):
 
 def _export(url: str, out: Path, *extra: str) -> list[dict]:
     code = main("sft", [str(out), "--api-url", url, "--group-size", "4", "--tasks-per-step", "4",
-                        "--num-seqs-to-save", "1000", "--api-idle-timeout", "3", "--quiet", *extra])
+                        "--num-seqs-to-save", "1000", "--api-idle-timeout", "3", "--layout", "trl", "--no-reset", "--quiet",
+                        *extra])
     assert code == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 
