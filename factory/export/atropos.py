@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,34 @@ def load_decode_tokenizer(name: str) -> Any:
             del sys.modules["torch"]  # a later `import torch` in this process works as usual
 
 
+class TokenizerLoader:
+    """`load_decode_tokenizer(name)` in a background thread, started at once: the CLI resets and registers with the
+    API while transformers is imported (about a second), so it is registered sooner than Atropos's, which loads the
+    tokenizer first. `check()` raises a failed load's error while the CLI waits for batches; `get()` waits for it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tokenizer: Any = None
+        self._error: AtroposLayoutError | None = None
+        self._thread = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            self._tokenizer = load_decode_tokenizer(self.name)
+        except AtroposLayoutError as error:
+            self._error = error
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def get(self) -> Any:
+        self._thread.join()
+        self.check()
+        return self._tokenizer
+
+
 def common_prefix(texts: list[str]) -> str:
     """The longest common prefix of `texts` ("" for none), as Atropos's find_common_prefix."""
     if not texts:
@@ -78,17 +107,29 @@ class AtroposRenderer:
     def __init__(self, kind: str, output: OutputConfig, tokenizer: Any | None = None) -> None:
         self.kind = kind
         self.text = output.style == "text"
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.drop_reason: str | None = None
         self._group: ExportGroup | None = None
         self._split: tuple[str, list[str]] = ("", [])
         if self.text and tokenizer is None:
             raise AtroposLayoutError("Atropos's text layout decodes tokens: it needs --tokenizer")
 
+    @property
+    def tokenizer(self) -> Any:
+        if isinstance(self._tokenizer, TokenizerLoader):
+            self._tokenizer = self._tokenizer.get()
+        return self._tokenizer
+
+    def check(self) -> None:
+        """Raise now if the tokenizer is being loaded in the background and that failed (called while idle)."""
+        if isinstance(self._tokenizer, TokenizerLoader):
+            self._tokenizer.check()
+
     def _text(self, group: ExportGroup) -> tuple[str, list[str]]:
         """(common prefix, completion per sequence) of the whole group, decoded once per group."""
         if self._group is not group:
-            decoded = [self.tokenizer.decode(group.tokens(i)) for i in range(len(group.scores))]
+            decode = self.tokenizer.decode
+            decoded = [decode(group.tokens(i)) for i in range(len(group.scores))]
             prefix = common_prefix(decoded)
             self._group, self._split = group, (prefix, [text[len(prefix) :] for text in decoded])
         return self._split

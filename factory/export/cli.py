@@ -30,6 +30,11 @@ import logging
 import sys
 from typing import Any
 
+if "httpx" not in sys.modules:
+    # httpx imports its own command-line client (rich, click, pygments: ~80 ms) when those are installed; this
+    # one-shot CLI never uses it, and without it httpx falls back to a stub.
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
 from pydantic import ValidationError
 
 from factory.export.config import (

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from factory.export import select as rules
-from factory.export.atropos import AtroposRenderer, JsonLinesWriter, load_decode_tokenizer
+from factory.export.atropos import AtroposRenderer, JsonLinesWriter, TokenizerLoader
 from factory.export.config import DpoExportConfig, SftExportConfig
 from factory.export.images import MULTIMODAL_SKIPPED
 from factory.export.render import Renderer, load_tokenizer
@@ -35,7 +35,8 @@ class NoRowsError(RuntimeError):
 def _renderer(kind: str, config: SftExportConfig | DpoExportConfig, tokenizer: Any | None) -> Renderer | AtroposRenderer:
     atropos = config.output.layout == "atropos"
     if tokenizer is None and config.output.style == "text":
-        tokenizer = (load_decode_tokenizer if atropos else load_tokenizer)(config.output.tokenizer or "")
+        name = config.output.tokenizer or ""
+        tokenizer = TokenizerLoader(name) if atropos else load_tokenizer(name)
     return AtroposRenderer(kind, config.output, tokenizer) if atropos else Renderer(kind, config.output, tokenizer)
 
 
@@ -110,7 +111,8 @@ def _run(
     limit = config.select.limit
     select = config.select
     need_tokens = select.max_token_len is not None or select.min_completion_tokens > 0 or config.output.style == "text"
-    source = iter_groups(config.source, need_tokens=need_tokens) if groups is None else groups
+    on_idle = renderer.check if isinstance(renderer, AtroposRenderer) else None
+    source = iter_groups(config.source, need_tokens=need_tokens, on_idle=on_idle) if groups is None else groups
     last_report = started
     try:
         for row in rows(source, config, renderer, stats):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,7 +324,9 @@ def groups_from_batch_response(response: httpx.Response) -> list[ExportGroup] | 
     return groups_from_batch_json(response.content)
 
 
-def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) -> Iterator[ExportGroup]:
+def iter_api_groups(
+    config: SourceConfig, client: httpx.Client | None = None, on_idle: Callable[[], None] | None = None
+) -> Iterator[ExportGroup]:
     """Register as a trainer with the batching API, then yield groups from GET /batch until it stays empty.
 
     With `api_arrow` the batches are asked for as Arrow IPC streams (the factory's run-api sends them, with each
@@ -332,7 +334,8 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
 
     Registers as Atropos's CLIs do (GET /reset_data first when `api_reset_first`, then POST /register with the
     same body), and stops after `api_idle_timeout_s` without a batch, or, when that is None, polls until the caller
-    stops reading (its row limit), as Atropos's CLIs do.
+    stops reading (its row limit), as Atropos's CLIs do. `on_idle` is called while no batch is there (it may raise
+    to end the export).
     """
     url = (config.api_url or "").rstrip("/")
     own_client = client is None
@@ -366,6 +369,8 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
         while True:
             batch = groups_from_batch_response(_request(client, "GET", f"{url}/batch", headers=batch_headers))
             if not batch:
+                if on_idle is not None:
+                    on_idle()
                 idle_for = time.monotonic() - idle_since
                 if config.api_idle_timeout_s is not None and idle_for > config.api_idle_timeout_s:
                     logger.info("no batch from %s for %.0f s; export done", url, config.api_idle_timeout_s)
@@ -392,5 +397,9 @@ def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> http
     return response
 
 
-def iter_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iterator[ExportGroup]:
-    return iter_api_groups(config) if config.api_url else iter_store_groups(config, need_tokens=need_tokens)
+def iter_groups(
+    config: SourceConfig, *, need_tokens: bool = True, on_idle: Callable[[], None] | None = None
+) -> Iterator[ExportGroup]:
+    if config.api_url:
+        return iter_api_groups(config, on_idle=on_idle)
+    return iter_store_groups(config, need_tokens=need_tokens)

@@ -259,3 +259,17 @@ def test_rows_are_atropos_rows_on_the_same_queued_data(tmp_path, kind, extra):
                             tmp_path / "ours.jsonl", groups, batch_size)
     assert len(ours) == limit <= len(theirs)  # Atropos finishes the batch that crossed the limit
     assert ours == theirs[:limit]
+
+
+def test_a_tokenizer_that_does_not_load_ends_the_wait_for_batches(tmp_path, capsys):
+    """The tokenizer loads in the background while the CLI registers and polls; its failure ends the run at once."""
+    app = _atropos_like_app([], per_batch=8)  # never has a batch
+    with _Server(app) as url:
+        started = time.monotonic()
+        code = main("sft", [str(tmp_path / "o.jsonl"), "--api-url", url, "--tokenizer", str(tmp_path / "missing"),
+                            "--quiet"])
+        seconds = time.monotonic() - started
+    assert code == 1 and seconds < 20 and app.state.data["registered"] is not None
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("atropos-sft-gen: cannot load tokenizer") and len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())

@@ -114,7 +114,7 @@ def _cli(kind, *argv, timeout=60):
     return result, time.monotonic() - started
 
 
-def test_bad_api_url_or_tokenizer_exit_in_seconds_with_one_line(tmp_path):
+def test_bad_api_url_or_tokenizer_exit_in_seconds_with_one_line(synthetic_store, tmp_path):
     refused, seconds = _cli("sft", str(tmp_path / "a.jsonl"), "--api-url", f"http://127.0.0.1:{free_port()}",
                             "--save-messages")
     assert refused.returncode == 1 and seconds < 15
@@ -122,8 +122,9 @@ def test_bad_api_url_or_tokenizer_exit_in_seconds_with_one_line(tmp_path):
     assert "cannot reach the batching API" in refused.stderr
     no_scheme, _ = _cli("dpo", str(tmp_path / "b.jsonl"), "--api-url", "localhost:1", "--save-messages")
     assert no_scheme.returncode == 1 and len(no_scheme.stderr.strip().splitlines()) == 1, no_scheme.stderr
-    no_tokenizer, seconds = _cli("sft", str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "missing"))
+    no_tokenizer, seconds = _cli("sft", str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "missing"), "--store",
+                                 str(synthetic_store.root))
     assert no_tokenizer.returncode == 1 and seconds < 15
     assert no_tokenizer.stderr.strip().startswith("atropos-sft-gen: cannot load tokenizer")
     assert len(no_tokenizer.stderr.strip().splitlines()) == 1, no_tokenizer.stderr
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.glob("*.jsonl")) and not list(tmp_path.glob(".*"))
