@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import os
 import statistics
 import sys
 import tempfile
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="a new aiohttp session per post (default: one persistent session per client)")
     parser.add_argument("--warmup", type=int, default=0, help="untimed one-group posts first (default 0)")
     parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--native-ab", action="store_true",
+                        help="ours only, two sides: the native number reader (numjson) vs msgspec alone "
+                        "(FACTORY_NATIVE_JSON=0), interleaved")
     parser.add_argument("--rss", default=None, help="comma-separated group counts: ours' RSS curve instead of the comparison")
     parser.add_argument("--queue-rss", default=None, help="comma-separated queued-group counts: ours' RSS with that many queued")
     args = parser.parse_args(argv)
@@ -312,6 +316,20 @@ def main(argv: list[str] | None = None) -> None:
         json_out = json_path("serve", args)
     else:
         json_out = Path(tempfile.gettempdir()) / "rollout-factory-bench" / "serve.jsonl"
+    if args.native_ab:
+        def ours_with(native: str) -> dict[str, float]:
+            os.environ["FACTORY_NATIVE_JSON"] = native  # the server process inherits it
+            try:
+                return measure("ours", n_single, n_list, load)
+            finally:
+                os.environ.pop("FACTORY_NATIVE_JSON", None)
+
+        result = compare("serve-native", [Side("ours, msgspec only", lambda: ours_with("0")),
+                                          Side("ours, numjson.c", lambda: ours_with("1"))],
+                         pairs=pairs_from(args), json_out=json_out)
+        print_comparison(result, json_out=json_out, title=f"Native number reader vs msgspec: {n_single} groups 1 per "
+                         f"request, {n_list} groups 64 per request, {load.clients} clients")
+        return
     with_atropos = not args.skip_atropos and atropos_available()
     if not with_atropos and not args.skip_atropos:
         print(f"[bench] no atroposlib venv at {DEFAULT_VENV} (python -m bench.atropos_venv makes it): ours only", file=sys.stderr)

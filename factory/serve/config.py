@@ -46,7 +46,10 @@ class ServeConfig(FactoryConfig):
         "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
-    payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")
+    payload_cache_mb: float = Field(
+        32.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches (a batch reads a few "
+        "row groups and shares at most its first and last with its neighbours; more only raises RSS while draining).",
+    )
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
     batch_order: Literal["oldest_first", "newest_first"] = Field(
         "oldest_first", description="Which queued groups /batch takes first. oldest_first (default): arrival order, so "
