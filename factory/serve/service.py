@@ -36,7 +36,7 @@ from factory.serve import numjson
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
 from factory.serve.http import gzip_compress
-from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
+from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_arrow, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
@@ -532,6 +532,8 @@ class BatchService:
             else:
                 entries = self._form()
                 if entries is None:
+                    if not self.queue.groups and self.reader.clear():
+                        return_free_memory()  # drained: RSS goes back towards idle, not stay at the drain's peak
                     return BatchBody(NO_BATCH)
                 self.queue.reserve(entries)
                 try:

@@ -175,3 +175,17 @@ def test_batch_order_newest_first_serves_the_latest_groups_first(tmp_path):
     assert oldest == posted[:2]
     posted, newest = run(scenario("newest_first"))
     assert newest == [posted[5], posted[4]]
+
+
+def test_a_drained_queue_drops_the_payload_cache(tmp_path):
+    async def scenario():
+        service = await started(config(tmp_path, prefetch=False, batch_metadata=True))
+        await service.register(REGISTRATION)
+        await service.ingest(list(synthetic_groups(4, group_size=4, seq_len=8)))
+        while batch_ids((await service.next_batch(False)).raw):
+            assert service.reader._cache  # row groups read for the batch stay cached while groups are queued
+        held = dict(service.reader._cache)
+        await service.stop()
+        return held
+
+    assert run(scenario()) == {}
