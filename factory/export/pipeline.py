@@ -2,9 +2,11 @@
 
 `export_sft` and `export_dpo` are the plain functions behind the Prefect
 flows and the CLIs. They read groups as a stream (see `source`), select
-(`select`), render (`render`), drop duplicates by content hash, and write
-through a crash-safe `DatasetWriter`; on any error the partial output is
-discarded and the previous output, if any, is left as it was.
+(`select`), render (`render`, or `atropos` for Atropos's own line layout),
+drop duplicates by content hash only when `select.dedup` asks (after the
+top-n pick), and write through a crash-safe `DatasetWriter` (Atropos's
+layout: `JsonLinesWriter`); on any error the partial output is discarded and
+the previous output, if any, is left as it was.
 """
 
 from __future__ import annotations
