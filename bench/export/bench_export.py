@@ -81,7 +81,7 @@ def run_factory(store: Path, out: Path) -> tuple[float, int]:
     started = time.perf_counter()
     subprocess.run(
         [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", str(out), "--store", str(store),
-         "--save-top-n-per-group", str(TOP_N), "--save-messages", "--no-dedup", "--quiet"],
+         "--save-top-n-per-group", str(TOP_N), "--save-messages", "--quiet"],
         check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
     )
     seconds = time.perf_counter() - started
@@ -154,7 +154,7 @@ def run_factory_api(wire: list[dict], rows: int, work: Path, port: int, out: Pat
     api = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1", "--store_root", str(store),
            "--log_level", "warning"]
     cli = [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", "--group-size", str(GROUP_SIZE),
-           "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows), "--no-dedup", "--quiet",
+           "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows), "--quiet",
            *(["--api-json"] if json_batches else [])]
     env = {**_offline_env(), "PYTHONPATH": str(ROOT)}
     try:

@@ -29,9 +29,16 @@ class SourceConfig(FactoryConfig):
     api_group_size: int = Field(2, ge=1, description="Group size sent on /register (batch_size = group_size * tasks_per_step).")
     api_tasks_per_step: int = Field(64, ge=1, description="Groups per trainer step sent on /register.")
     api_max_token_len: int = Field(2048, ge=1, description="max_token_len sent on /register.")
-    api_idle_timeout_s: float = Field(60.0, gt=0, description="Stop reading the API after this long without a batch.")
+    api_idle_timeout_s: float | None = Field(
+        60.0, gt=0, description="Stop reading the API after this long without a batch; None polls until the row limit "
+        "is reached, as Atropos's CLIs do."
+    )
     api_poll_s: float = Field(1.0, gt=0, description="Wait between /batch polls while the API has no batch.")
     api_reset_first: bool = Field(False, description="Call GET /reset_data before /register, as Atropos's CLIs do (drops queued data).")
+    api_num_steps: int = Field(1_000_000, ge=0, description="num_steps sent on /register (Atropos's sft-gen sends 0, "
+                               "its dpo-gen 2 x --num-seqs-to-save).")
+    api_print_responses: bool = Field(False, description="Print the /reset_data and /register answers to stdout, as "
+                                      "Atropos's CLIs do.")
     api_arrow: bool = Field(
         True, description="Ask the API for /batch as an Arrow stream (a factory run-api sends one: less CPU on both ends, "
         "stored group ids and env names); an API that answers JSON, as Atropos's does, is read as JSON. False asks for JSON.",
@@ -49,7 +56,10 @@ class SelectionConfig(FactoryConfig):
     top_n_per_group: int = Field(3, ge=1, description="Most sequences kept per group, best first.")
     max_token_len: int | None = Field(None, ge=1, description="Drop sequences with more tokens than this (prompt + completion).")
     min_completion_tokens: int = Field(0, ge=0, description="Drop sequences whose completion has fewer tokens than this.")
-    dedup: bool = Field(True, description="Drop rows whose rendered content was already written in this export.")
+    dedup: bool = Field(
+        False, description="Drop rows whose rendered content was already written in this export (after the top-n pick; "
+        "Atropos never deduplicates)."
+    )
     limit: int | None = Field(None, ge=1, description="Stop after this many output rows (Atropos's --num-seqs-to-save).")
 
 
@@ -74,6 +84,10 @@ class OutputConfig(FactoryConfig):
     prompt_completion: bool = Field(False, description="SFT: write prompt/completion columns instead of messages.")
     tokenizer: str | None = Field(None, description="Tokenizer dir or hub id for text rendering (needed by style=text).")
     extra_columns: bool = Field(True, description="Also write score(s), group_id, env, run_id and item_key.")
+    layout: Literal["trl", "atropos"] = Field(
+        "trl", description="trl: TRL-ready columns (Parquet or JSONL). atropos: the lines atroposlib's sft/dpo-gen "
+        "write ({prefix, completion, score} / {messages, score}; DPO {prefix, pos, score, neg}), one JSON lines file.",
+    )
     overwrite: bool = Field(False, description="Replace an existing output.")
     append: bool = Field(False, description="Add to an existing output (Atropos's --append-to-previous).")
     rows_per_shard: int = Field(200_000, ge=1, description="Rows per shard when the output is a directory.")
@@ -95,6 +109,9 @@ class OutputConfig(FactoryConfig):
         if self.images and self.resolved_format != "parquet":
             raise ValueError("output.images writes the pictures' bytes, which only Parquet holds: write a .parquet "
                              "file or a directory of Parquet shards")
+        if self.layout == "atropos" and (self.images or self.prompt_completion):
+            raise ValueError("output.layout 'atropos' writes Atropos's own lines; --keep-images and --prompt-completion "
+                             "are TRL layouts: add --layout trl")
         suffix_format = SINGLE_FILE_SUFFIXES.get(Path(self.path).suffix)
         if suffix_format and self.format and self.format != suffix_format:
             raise ValueError(f"output.path {self.path!r} ends in {Path(self.path).suffix} but output.format is {self.format!r}")
@@ -102,11 +119,13 @@ class OutputConfig(FactoryConfig):
 
     @property
     def resolved_format(self) -> OutputFormat:
+        if self.layout == "atropos":
+            return "jsonl"
         return SINGLE_FILE_SUFFIXES.get(Path(self.path).suffix) or self.format or "parquet"
 
     @property
     def single_file(self) -> bool:
-        return Path(self.path).suffix in SINGLE_FILE_SUFFIXES
+        return self.layout == "atropos" or Path(self.path).suffix in SINGLE_FILE_SUFFIXES
 
 
 class SftExportConfig(FactoryConfig):

@@ -2,9 +2,11 @@
 
 `export_sft` and `export_dpo` are the plain functions behind the Prefect
 flows and the CLIs. They read groups as a stream (see `source`), select
-(`select`), render (`render`), drop duplicates by content hash, and write
-through a crash-safe `DatasetWriter`; on any error the partial output is
-discarded and the previous output, if any, is left as it was.
+(`select`), render (`render`, or `atropos` for Atropos's own line layout),
+drop duplicates by content hash only when `select.dedup` asks (after the
+top-n pick), and write through a crash-safe `DatasetWriter` (Atropos's
+layout: `JsonLinesWriter`); on any error the partial output is discarded and
+the previous output, if any, is left as it was.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from factory.export import select as rules
+from factory.export.atropos import AtroposRenderer, JsonLinesWriter, TokenizerLoader
 from factory.export.config import DpoExportConfig, SftExportConfig
 from factory.export.images import MULTIMODAL_SKIPPED
 from factory.export.render import Renderer, load_tokenizer
@@ -27,10 +30,16 @@ logger = logging.getLogger(__name__)
 Progress = Callable[[ExportStats], None]
 
 
-def _renderer(kind: str, config: SftExportConfig | DpoExportConfig, tokenizer: Any | None) -> Renderer:
+class NoRowsError(RuntimeError):
+    """The export matched no rows (and the caller asked for at least one); the message says what was read and dropped."""
+
+
+def _renderer(kind: str, config: SftExportConfig | DpoExportConfig, tokenizer: Any | None) -> Renderer | AtroposRenderer:
+    atropos = config.output.layout == "atropos"
     if tokenizer is None and config.output.style == "text":
-        tokenizer = load_tokenizer(config.output.tokenizer or "")
-    return Renderer(kind, config.output, tokenizer)
+        name = config.output.tokenizer or ""
+        tokenizer = TokenizerLoader(name) if atropos else load_tokenizer(name)
+    return AtroposRenderer(kind, config.output, tokenizer) if atropos else Renderer(kind, config.output, tokenizer)
 
 
 def _sft_rows(
@@ -53,10 +62,10 @@ def _sft_rows(
             if row is None:
                 stats.dropped[renderer.drop_reason or rules.UNRENDERABLE] += 1
                 continue
+            taken += 1  # the top n are picked first; a duplicate among them is dropped, not replaced by a lower rank
             if seen is not None and not seen.add(renderer.content_hash(row)):
                 stats.dropped[rules.DUPLICATE] += 1
                 continue
-            taken += 1
             stats.scores_out.add_one(group.scores[index])
             yield row
 
@@ -92,15 +101,20 @@ def _run(
     tokenizer: Any | None,
     progress: Progress | None,
     progress_every_s: float,
+    require_rows: bool,
 ) -> ExportStats:
     started = time.perf_counter()
     stats = ExportStats(kind=kind)
     renderer = _renderer(kind, config, tokenizer)
-    writer = DatasetWriter(config.output, renderer.schema())
+    if isinstance(renderer, AtroposRenderer):
+        writer: DatasetWriter | JsonLinesWriter = JsonLinesWriter(config.output)
+    else:
+        writer = DatasetWriter(config.output, renderer.schema())
     limit = config.select.limit
     select = config.select
     need_tokens = select.max_token_len is not None or select.min_completion_tokens > 0 or config.output.style == "text"
-    source = iter_groups(config.source, need_tokens=need_tokens) if groups is None else groups
+    on_idle = renderer.check if isinstance(renderer, AtroposRenderer) else None
+    source = iter_groups(config.source, need_tokens=need_tokens, on_idle=on_idle) if groups is None else groups
     last_report = started
     try:
         for row in rows(source, config, renderer, stats):
@@ -112,6 +126,11 @@ def _run(
                 last_report = time.perf_counter()
                 stats.seconds = last_report - started
                 progress(stats)
+        if require_rows and not stats.rows_out:
+            raise NoRowsError(
+                f"no rows matched: {stats.groups_in} groups ({stats.rows_in} sequences) read, dropped by reason: "
+                f"{dict(stats.dropped) or 'none'}; nothing was written"
+            )
         stats.outputs = [str(p) for p in writer.close()]
     except BaseException:
         writer.abort()
@@ -136,9 +155,13 @@ def export_sft(
     tokenizer: Any | None = None,
     progress: Progress | None = None,
     progress_every_s: float = 5.0,
+    require_rows: bool = False,
 ) -> ExportStats:
-    """Write the SFT dataset `config` describes; `groups` replaces the configured source (tests, notebooks)."""
-    return _run("sft", config, _sft_rows, groups, tokenizer, progress, progress_every_s)
+    """Write the SFT dataset `config` describes; `groups` replaces the configured source (tests, notebooks).
+
+    With `require_rows`, an export that matches no rows raises `NoRowsError` and writes nothing.
+    """
+    return _run("sft", config, _sft_rows, groups, tokenizer, progress, progress_every_s, require_rows)
 
 
 def export_dpo(
@@ -148,6 +171,10 @@ def export_dpo(
     tokenizer: Any | None = None,
     progress: Progress | None = None,
     progress_every_s: float = 5.0,
+    require_rows: bool = False,
 ) -> ExportStats:
-    """Write the DPO dataset `config` describes; `groups` replaces the configured source (tests, notebooks)."""
-    return _run("dpo", config, _dpo_rows, groups, tokenizer, progress, progress_every_s)
+    """Write the DPO dataset `config` describes; `groups` replaces the configured source (tests, notebooks).
+
+    With `require_rows`, an export that matches no rows raises `NoRowsError` and writes nothing.
+    """
+    return _run("dpo", config, _dpo_rows, groups, tokenizer, progress, progress_every_s, require_rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,32 +324,41 @@ def groups_from_batch_response(response: httpx.Response) -> list[ExportGroup] | 
     return groups_from_batch_json(response.content)
 
 
-def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) -> Iterator[ExportGroup]:
+def iter_api_groups(
+    config: SourceConfig, client: httpx.Client | None = None, on_idle: Callable[[], None] | None = None
+) -> Iterator[ExportGroup]:
     """Register as a trainer with the batching API, then yield groups from GET /batch until it stays empty.
 
     With `api_arrow` the batches are asked for as Arrow IPC streams (the factory's run-api sends them, with each
     group's stored id, env, run and item key); an API that answers JSON (Atropos's) is read as JSON.
 
-    Stops after `api_idle_timeout_s` without a batch (Atropos's CLIs poll
-    forever; the caller also stops early once its row limit is reached).
+    Registers as Atropos's CLIs do (GET /reset_data first when `api_reset_first`, then POST /register with the
+    same body), and stops after `api_idle_timeout_s` without a batch, or, when that is None, polls until the caller
+    stops reading (its row limit), as Atropos's CLIs do. `on_idle` is called while no batch is there (it may raise
+    to end the export).
     """
     url = (config.api_url or "").rstrip("/")
     own_client = client is None
-    client = client or httpx.Client(timeout=60.0)
+    client = client or httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0))
     try:
         if config.api_reset_first:
-            _request(client, "GET", f"{url}/reset_data")
+            answer = _request(client, "GET", f"{url}/reset_data")
+            if config.api_print_responses:
+                print(answer.text)
         registration = {
-            "wandb_group": "export",
-            "wandb_project": "export",
+            "wandb_group": "test",
+            "wandb_project": "test",
             "batch_size": config.api_group_size * config.api_tasks_per_step,
             "max_token_len": config.api_max_token_len,
             "checkpoint_dir": "checkpoints",
-            "save_checkpoint_interval": 0,
+            "save_checkpoint_interval": 10,
             "starting_step": 0,
-            "num_steps": 1_000_000,
+            "num_steps": config.api_num_steps,
         }
-        _request(client, "POST", f"{url}/register", json=registration)
+        answer = _request(client, "POST", f"{url}/register", json=registration)
+        if config.api_print_responses:
+            print("output of register is")
+            print(answer.text)
         batch_headers = {}
         if config.api_arrow:
             batch_headers["Accept"] = f"{ARROW_STREAM}, application/json;q=0.5"
@@ -360,7 +369,10 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
         while True:
             batch = groups_from_batch_response(_request(client, "GET", f"{url}/batch", headers=batch_headers))
             if not batch:
-                if time.monotonic() - idle_since > config.api_idle_timeout_s:
+                if on_idle is not None:
+                    on_idle()
+                idle_for = time.monotonic() - idle_since
+                if config.api_idle_timeout_s is not None and idle_for > config.api_idle_timeout_s:
                     logger.info("no batch from %s for %.0f s; export done", url, config.api_idle_timeout_s)
                     return
                 time.sleep(config.api_poll_s)
@@ -377,12 +389,17 @@ def iter_api_groups(config: SourceConfig, client: httpx.Client | None = None) ->
 def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
     try:
         response = client.request(method, url, **kwargs)
-    except httpx.HTTPError as error:
-        raise SourceError(f"cannot reach the batching API at {url}: {error}; is run-api up at source.api_url?") from error
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
+        raise SourceError(f"cannot reach the batching API at {url}: {error}; is run-api up at that address "
+                          "(--api-url)?") from None
     if response.status_code >= 400:
         raise SourceError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
     return response
 
 
-def iter_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iterator[ExportGroup]:
-    return iter_api_groups(config) if config.api_url else iter_store_groups(config, need_tokens=need_tokens)
+def iter_groups(
+    config: SourceConfig, *, need_tokens: bool = True, on_idle: Callable[[], None] | None = None
+) -> Iterator[ExportGroup]:
+    if config.api_url:
+        return iter_api_groups(config, on_idle=on_idle)
+    return iter_store_groups(config, need_tokens=need_tokens)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from factory.config import FactoryConfig
@@ -44,8 +46,17 @@ class ServeConfig(FactoryConfig):
         "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
-    payload_cache_mb: float = Field(256.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches.")
+    payload_cache_mb: float = Field(
+        32.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches (a batch reads a few "
+        "row groups and shares at most its first and last with its neighbours; more only raises RSS while draining).",
+    )
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
+    batch_order: Literal["oldest_first", "newest_first"] = Field(
+        "oldest_first", description="Which queued groups /batch takes first. oldest_first (default): arrival order, so "
+        "no group waits behind newer ones and staleness stays bounded. newest_first: the most recent first, as "
+        "Atropos serves (it forms every batch it can at once and hands out the newest; here each batch is formed "
+        "from the newest groups at the time of the request).",
+    )
     batch_metadata: bool = Field(False, description="Add group_id, env and policy_version to each group in /batch responses.")
     ingest_budget_mb: float = Field(
         48.0, gt=0, description="Decompressed bytes of posted bodies decoded and awaiting commit at once (bounds memory); "
@@ -57,7 +68,12 @@ class ServeConfig(FactoryConfig):
     ingest_wait_s: float = Field(30.0, gt=0, description="Longest a post waits for the ingest budget before a 503 + Retry-After.")
     strict: bool = Field(
         False, description="Refuse (422, naming the field) posted groups whose masks/advantages/logprobs/messages/overrides "
-        "don't line up with tokens; by default they are stored as sent, as Atropos does, and counted in /status 'unaligned'.",
+        "don't line up with tokens, that give strings for numbers or floats for ints, NaN or infinities in any spelling, "
+        "or negative token ids (or ids >= vocab_size); by default they are stored as sent, as Atropos does, and "
+        "misaligned fields are counted in /status 'unaligned'.",
+    )
+    vocab_size: int | None = Field(
+        None, ge=1, description="With strict: token ids must be below this (the policy's vocabulary size); None: no bound.",
     )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")

@@ -12,7 +12,9 @@ exactly `batch_size`: walking the order, a group is taken if and only if the
 groups after it can still complete the batch (a subset-sum reachability table
 kept as Python-int bitsets, so the whole thing is O(candidates) big-int ops).
 Groups are never split. If a lane with a minimum cannot meet it, no batch is
-formed, as in Atropos.
+formed, as in Atropos. With `newest_first` (serve config `batch_order`), each
+lane's queue is given newest first and "arrival order" above reads "newest
+arrival first".
 """
 
 from __future__ import annotations
@@ -67,12 +69,12 @@ def required_sequences(batch_size: int, lanes: Mapping[int, LanePolicy]) -> dict
     return required
 
 
-def _arrival_merge(queues: Mapping[int, Sequence[Entry]]) -> Iterable[Entry]:
-    return heapq.merge(*queues.values(), key=lambda entry: entry.seq)
+def _arrival_merge(queues: Mapping[int, Sequence[Entry]], newest_first: bool = False) -> Iterable[Entry]:
+    return heapq.merge(*queues.values(), key=lambda entry: entry.seq, reverse=newest_first)
 
 
 def priority_order(
-    queues: Mapping[int, Sequence[Entry]], batch_size: int, lanes: Mapping[int, LanePolicy]
+    queues: Mapping[int, Sequence[Entry]], batch_size: int, lanes: Mapping[int, LanePolicy], newest_first: bool = False
 ) -> tuple[list[Entry], dict[int, int]] | None:
     """Candidates in the order the packer prefers them, and the per-lane minimums; None if a minimum can't be met."""
     required = required_sequences(batch_size, lanes)
@@ -99,7 +101,7 @@ def priority_order(
         for lane in with_data
     }
     rest: list[Entry] = []
-    for entry in _arrival_merge(queues):
+    for entry in _arrival_merge(queues, newest_first):
         if id(entry) in chosen:
             continue
         have = counted.get(entry.lane, 0)
@@ -134,16 +136,17 @@ def exact_subset(sizes: Sequence[int], target: int) -> list[int] | None:
 
 
 def pack_batch(
-    queues: Mapping[int, Sequence[Entry]], batch_size: int, lanes: Mapping[int, LanePolicy]
+    queues: Mapping[int, Sequence[Entry]], batch_size: int, lanes: Mapping[int, LanePolicy], newest_first: bool = False
 ) -> list[Entry] | None:
-    """One batch of exactly `batch_size` sequences from the lanes' queues (arrival order each), or None.
+    """One batch of exactly `batch_size` sequences from the lanes' queues (arrival order each, or newest first
+    each with `newest_first`), or None.
 
     Honours per-lane minimums (None when one can't be met) and weighted
     shares; the returned groups are in the packer's priority order.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    planned = priority_order(queues, batch_size, lanes)
+    planned = priority_order(queues, batch_size, lanes, newest_first)
     if planned is None:
         return None
     order, required = planned

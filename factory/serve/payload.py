@@ -156,6 +156,12 @@ class PayloadReader:
             self._cached -= old.nbytes
         return table
 
+    def clear(self) -> bool:
+        """Drop every cached row group (the queue is empty: nothing will be read next); whether any was held."""
+        held = bool(self._cache)
+        self._cache, self._cached = OrderedDict(), 0
+        return held
+
     def read(self, keys: Sequence[tuple[Path, int]]) -> pa.Table:
         """The rows `keys` ((shard path, row)) as one table, in the order given."""
         pieces: list[pa.Table] = []

@@ -77,10 +77,11 @@ class GroupQueue:
             while lane and lane[0].state == GONE:
                 lane.popleft()
 
-    def prefix(self, lane: int, sequences: int) -> Iterator[Entry]:
-        """QUEUED entries from the front of a lane until `sequences` are covered."""
+    def prefix(self, lane: int, sequences: int, newest_first: bool = False) -> Iterator[Entry]:
+        """QUEUED entries from the front of a lane (its back, newest first, with `newest_first`) until `sequences`
+        are covered."""
         covered = 0
-        for entry in self._lanes[lane]:
+        for entry in reversed(self._lanes[lane]) if newest_first else self._lanes[lane]:
             if covered >= sequences:
                 return
             if entry.state == QUEUED:

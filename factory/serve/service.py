@@ -36,7 +36,7 @@ from factory.serve import numjson
 from factory.serve.config import ServeConfig
 from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
 from factory.serve.http import gzip_compress
-from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth
+from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.payload import PayloadReader, batch_arrow, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
@@ -456,13 +456,14 @@ class BatchService:
         batch_size = self.registration["batch_size"]
         lag = self.config.max_policy_lag
         floor = self.step - lag if lag is not None else None
+        newest_first = self.config.batch_order == "newest_first"
         while True:
             queues: dict[int, list[Entry]] = {}
             stale: list[Entry] = []
             oversize: list[Entry] = []
             for lane in self.queue.lanes():
                 usable = []
-                for entry in self.queue.prefix(lane, 4 * batch_size):
+                for entry in self.queue.prefix(lane, 4 * batch_size, newest_first):
                     if entry.size > batch_size:
                         oversize.append(entry)
                     elif floor is not None and entry.version < floor:
@@ -471,7 +472,7 @@ class BatchService:
                         usable.append(entry)
                 queues[lane] = usable
             if not stale and not oversize:
-                return pack_batch(queues, batch_size, self.lane_policies())
+                return pack_batch(queues, batch_size, self.lane_policies(), newest_first)
             for entries, step in ((stale, SKIPPED_STALE), (oversize, SKIPPED_OVERSIZE)):
                 if entries:
                     self.state.record_taken([(e.source, e.row) for e in entries], step)
@@ -531,6 +532,8 @@ class BatchService:
             else:
                 entries = self._form()
                 if entries is None:
+                    if not self.queue.groups and self.reader.clear():
+                        return_free_memory()  # drained: RSS goes back towards idle, not stay at the drain's peak
                     return BatchBody(NO_BATCH)
                 self.queue.reserve(entries)
                 try:

@@ -9,6 +9,8 @@ store run, when that package is present.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +32,11 @@ def _atropos_like_app(groups: list[dict], per_batch: int) -> FastAPI:
     app = FastAPI()
     state = {"registered": None, "queue": list(groups), "batches_served": 0}
     app.state.data = state
+
+    @app.get("/reset_data")
+    async def reset_data() -> str:
+        state["resets"] = state.get("resets", 0) + 1
+        return "Reset successful"
 
     @app.post("/register")
     async def register(body: dict) -> dict:
@@ -79,8 +86,8 @@ def test_sft_gen_reads_batches_until_the_row_limit(tmp_path):
     with _Server(app) as url:
         out = tmp_path / "sft.jsonl"
         code = main("sft", [str(out), "--api-url", url, "--num-seqs-to-save", "30", "--group-size", "4",
-                            "--tasks-per-step", "2", "--quiet"])
-    assert code == 0
+                            "--tasks-per-step", "2", "--save-messages", "--quiet"])
+    assert code == 0 and app.state.data["resets"] == 1  # /reset_data, then /register, as Atropos's CLI
     assert app.state.data["registered"]["batch_size"] == 8  # group_size * tasks_per_step, as Atropos registers
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30
@@ -96,7 +103,7 @@ def test_dpo_gen_stops_when_the_api_stays_empty(tmp_path):
     with _Server(app) as url:
         out = tmp_path / "dpo"
         code = main("dpo", [str(out), "--api-url", url, "--num-seqs-to-save", "1000", "--api-idle-timeout", "1.5",
-                            "--quiet"])
+                            "--layout", "trl", "--quiet"])
     assert code == 0
     assert app.state.data["batches_served"] == 2
     import datasets
@@ -107,7 +114,7 @@ def test_dpo_gen_stops_when_the_api_stays_empty(tmp_path):
 
 
 def test_unreachable_api_is_reported(tmp_path, capsys):
-    code = main("sft", [str(tmp_path / "o"), "--api-url", f"http://127.0.0.1:{free_port()}", "--quiet"])
+    code = main("sft", [str(tmp_path / "o"), "--api-url", f"http://127.0.0.1:{free_port()}", "--save-messages", "--quiet"])
     assert code == 1 and "cannot reach the batching API" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -126,7 +133,8 @@ def _factory_api(tmp_path: Path, name: str, *extra: str):
 
 def _export(url: str, out: Path, *extra: str) -> list[dict]:
     code = main("sft", [str(out), "--api-url", url, "--group-size", "4", "--tasks-per-step", "4",
-                        "--num-seqs-to-save", "1000", "--api-idle-timeout", "3", "--quiet", *extra])
+                        "--num-seqs-to-save", "1000", "--api-idle-timeout", "3", "--layout", "trl", "--no-reset", "--quiet",
+                        *extra])
     assert code == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -160,3 +168,108 @@ def test_arrow_batches_export_the_rows_json_batches_with_metadata_do(tmp_path):
     assert strip(arrow_rows) == strip(json_rows)
     assert {r["group_id"] for r in arrow_rows} <= {g.group_id for g in groups}
     assert {r["group_id"] for r in filtered} == {groups[5].group_id, groups[9].group_id}  # env names as stored
+
+
+# ---- side by side with atroposlib 0.4.0's own CLIs (its separate venv: python -m bench.atropos_venv) ----
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "starter-policy"
+
+
+def _atropos_cli(name: str) -> Path:
+    from bench.atropos_venv import DEFAULT_VENV, atropos_available
+
+    if not atropos_available(DEFAULT_VENV):
+        pytest.skip(f"atroposlib's venv is not built at {DEFAULT_VENV} (python -m bench.atropos_venv; ATROPOS_VENV "
+                    "picks the place): the side-by-side comparison needs Atropos's own CLIs")
+    return DEFAULT_VENV / "bin" / name
+
+
+def _side_by_side_groups(count: int) -> list[dict]:
+    """Groups of 4 with a shared prompt, distinct completions, ties, negatives and messages (token ids decode as text)."""
+    from tokenizers import Tokenizer
+
+    encode = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")).encode
+    groups = []
+    for i in range(count):
+        prompt = encode(f"<|im_start|>user\nWhat is {i} + {i}? ü<|im_end|>\n<|im_start|>assistant\n").ids
+        completions = [encode(f"{'The' if k % 2 else 'An'} answer is {2 * i + k - 1}.<|im_end|>").ids for k in range(4)]
+        scores = [1.0, 0.25 * (i % 3), -0.5, 1.0 if i % 4 == 0 else 0.75 - 0.01 * i]
+        groups.append({
+            "tokens": [prompt + c for c in completions],
+            "masks": [[-100] * len(prompt) + c for c in completions],
+            "scores": scores,
+            "messages": [[{"role": "user", "content": f"question {i} ü"}, {"role": "assistant", "content": f"answer {k}"}]
+                         for k in range(4)],
+        })
+    return groups
+
+
+def _run_against(api_url: str, command: list[str], out: Path, groups: list[dict], batch_size: int) -> list[str]:
+    """Reset the API, start an export CLI, wait for its /register, post `groups`, wait for it to exit: its lines."""
+    import httpx
+
+    httpx.get(f"{api_url}/reset_data", timeout=10).raise_for_status()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{api_url}/info", timeout=10).json().get("batch_size") != batch_size:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{command[0]} did not register: {process.communicate(timeout=10)}")
+            time.sleep(0.1)
+        httpx.post(f"{api_url}/scored_data_list", json=groups, timeout=30).raise_for_status()
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr
+    assert "output of register is" in stdout  # both print the /reset_data and /register answers
+    return out.read_text(encoding="utf-8").splitlines()
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("sft", ["--save-top-n-per-group", "2", "--tasks-per-step", "2"]),
+    ("sft", ["--save-messages", "--tasks-per-step", "2", "--minimum-score-diff-max-min", "0.6"]),
+    ("dpo", ["--save-n-pairs-per-group", "1"]),
+    ("dpo", ["--save-n-pairs-per-group", "1", "--save-messages", "--allow-negative-scores"]),
+])
+def test_rows_are_atropos_rows_on_the_same_queued_data(tmp_path, kind, extra):
+    """Both CLIs against one factory run-api, fed the same groups: our lines are Atropos's first lines, byte for byte.
+
+    (DPO with one pair per group: Atropos draws the rejected with the unseeded global random, so only a single
+    eligible rejected makes its output reproducible.)
+    """
+    theirs_cli = _atropos_cli(f"atropos-{kind}-gen")
+    groups = _side_by_side_groups(16)
+    limit = 15
+    common = [*extra, "--group-size", "4", "--tokenizer", str(TOKENIZER), "--num-seqs-to-save", str(limit)]
+    batch_size = 4 * (2 if kind == "sft" else 8)
+    port = free_port()
+    from factory.serve.client import ApiProcess
+
+    api = ApiProcess([sys.executable, "-m", "factory.serve.cli", "--host", "127.0.0.1", "--port", str(port),
+                      "--store_root", str(tmp_path / "store"), "--log_level", "warning"], port,
+                     log_path=str(tmp_path / "api.log"))
+    ours_cli = [sys.executable, "-c", f"from factory.export.cli import {kind}_main; {kind}_main()"]
+    with api:
+        theirs = _run_against(api.url, [str(theirs_cli), str(tmp_path / "theirs.jsonl"), "--api-url", api.url, *common],
+                              tmp_path / "theirs.jsonl", groups, batch_size)
+        ours = _run_against(api.url, [*ours_cli, str(tmp_path / "ours.jsonl"), "--api-url", api.url, *common],
+                            tmp_path / "ours.jsonl", groups, batch_size)
+    assert len(ours) == limit <= len(theirs)  # Atropos finishes the batch that crossed the limit
+    assert ours == theirs[:limit]
+
+
+def test_a_tokenizer_that_does_not_load_ends_the_wait_for_batches(tmp_path, capsys):
+    """The tokenizer loads in the background while the CLI registers and polls; its failure ends the run at once."""
+    app = _atropos_like_app([], per_batch=8)  # never has a batch
+    with _Server(app) as url:
+        started = time.monotonic()
+        code = main("sft", [str(tmp_path / "o.jsonl"), "--api-url", url, "--tokenizer", str(tmp_path / "missing"),
+                            "--quiet"])
+        seconds = time.monotonic() - started
+    assert code == 1 and seconds < 20 and app.state.data["registered"] is not None
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("atropos-sft-gen: cannot load tokenizer") and len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())

@@ -73,9 +73,9 @@ def test_duplicates_across_runs_are_dropped(tmp_path):
     groups = [scored([1.0, 0.5, 0.0], index=i) for i in range(5)]
     store.commit("run-1", "w", 0, groups)
     store.commit("run-2", "w", 0, [g.model_copy(update={"run_id": "run-2"}) for g in groups])
-    stats = _sft(store, tmp_path / "out")
+    stats = _sft(store, tmp_path / "out", dedup=True)
     assert stats.rows_out == 10 and stats.dropped[DUPLICATE] == 10
-    assert _sft(store, tmp_path / "out2", dedup=False).rows_out == 20
+    assert _sft(store, tmp_path / "out2").rows_out == 20  # dedup only when asked for, as Atropos never does
 
 
 def test_limit_is_exact_and_lengths_are_enforced(tmp_path):
@@ -88,14 +88,15 @@ def test_limit_is_exact_and_lengths_are_enforced(tmp_path):
     assert datasets.load_dataset("parquet", data_dir=str(tmp_path / "out2"), split="train").num_rows == 7
 
 
-def test_top_n_skips_duplicates_within_a_group(tmp_path):
+def test_top_n_is_picked_before_duplicates_are_dropped(tmp_path):
     group = scored([1.0, 0.9, 0.8])
     group.messages[1] = group.messages[0]  # the second best says the same as the best
     stats = export_sft(
-        SftExportConfig(select=SelectionConfig(top_n_per_group=2), output=OutputConfig(path=str(tmp_path / "o.jsonl"))),
+        SftExportConfig(select=SelectionConfig(top_n_per_group=2, dedup=True),
+                        output=OutputConfig(path=str(tmp_path / "o.jsonl"))),
         groups=[_wire(group)],
     )
-    assert stats.rows_out == 2 and stats.dropped == {DUPLICATE: 1}
+    assert stats.rows_out == 1 and stats.dropped == {DUPLICATE: 1, TOP_N: 1}  # the third best does not move up
 
 
 def _wire(group):

@@ -108,3 +108,11 @@ def test_exact_subset_is_lexicographically_first():
     assert exact_subset([5, 3, 2, 5], 5) == [0]
     assert exact_subset([3, 4, 2], 5) == [0, 2]
     assert exact_subset([3, 3], 5) is None
+
+
+def test_newest_first_takes_the_latest_groups():
+    queues = make_queues([(0, 4), (1, 4), (0, 4), (1, 4), (0, 4)])
+    newest = {lane: list(reversed(entries)) for lane, entries in queues.items()}  # as the queue gives them
+    assert [e.seq for e in pack_batch(newest, 12, {}, newest_first=True)] == [4, 3, 2]
+    minimum = {0: LanePolicy(min_fraction=0.5)}
+    assert [e.seq for e in pack_batch(newest, 8, minimum, newest_first=True)] == [4, 3]

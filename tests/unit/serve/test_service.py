@@ -159,3 +159,33 @@ def test_status_env_of_unknown_env_is_none(tmp_path, bad):
         return result
 
     assert run(scenario()) is None
+
+
+def test_batch_order_newest_first_serves_the_latest_groups_first(tmp_path):
+    async def scenario(order):
+        service = await started(config(tmp_path / order, batch_metadata=True, batch_order=order, prefetch=False))
+        await service.register(REGISTRATION)
+        posted = list(synthetic_groups(6, group_size=4, seq_len=8))
+        await service.ingest(posted)
+        first = batch_ids((await service.next_batch(False)).raw)
+        await service.stop()
+        return [g.group_id for g in posted], first
+
+    posted, oldest = run(scenario("oldest_first"))
+    assert oldest == posted[:2]
+    posted, newest = run(scenario("newest_first"))
+    assert newest == [posted[5], posted[4]]
+
+
+def test_a_drained_queue_drops_the_payload_cache(tmp_path):
+    async def scenario():
+        service = await started(config(tmp_path, prefetch=False, batch_metadata=True))
+        await service.register(REGISTRATION)
+        await service.ingest(list(synthetic_groups(4, group_size=4, seq_len=8)))
+        while batch_ids((await service.next_batch(False)).raw):
+            assert service.reader._cache  # row groups read for the batch stay cached while groups are queued
+        held = dict(service.reader._cache)
+        await service.stop()
+        return held
+
+    assert run(scenario()) == {}

@@ -144,3 +144,44 @@ def test_prebuilt_rows_are_stamped_and_deduplicated(tmp_path):
             await service.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "body, loc",
+    [
+        (orjson.dumps(group(scores=[1.0, "NaN"])), ["body", "scores", 1]),
+        (orjson.dumps(group(scores=["nan", 0.0])), ["body", "scores", 0]),
+        (orjson.dumps(group(scores=[1.0, "-Infinity"])), ["body", "scores", 1]),
+        (orjson.dumps(group(scores=[1, "0.5"])), ["body", "scores", 1]),
+        (b'{"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [NaN, 0.0]}', ["body", "scores"]),
+        (b'{"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [Infinity, 0.0]}',
+         ["body", "scores"]),
+        (b'{"tokens": [[1, 2, 3], [4, 5]], "masks": [[-100, 2, 3], [-100, 5]], "scores": [1e999, 0.0]}',
+         ["body", "scores", 0]),
+        (orjson.dumps(group(tokens=[[1, 2, 3], [4, "5"]])), ["body", "tokens", 1, 1]),
+        (orjson.dumps(group(tokens=[[1, 2.0, 3], [4, 5]])), ["body", "tokens", 0, 1]),
+        (orjson.dumps(group(tokens=[[1, 2, 3], [4, -5]])), ["body", "tokens", 1, 1]),
+        (orjson.dumps(group(tokens=[[1, 2, 3], [4, 5]], masks=[[-100, 2, 3], [-100, 5]], advantages=[[0.0, "NaN", 1.0],
+                                                                                                  [1.0, 2.0]])),
+         ["body", "advantages", 0, 1]),
+        (orjson.dumps([group(), group(tokens=[[1, 2, 3], [-1, 5]])]), ["body", 1, "tokens", 1, 0]),
+    ],
+)
+def test_strict_refuses_strings_nan_and_bad_token_ids_naming_the_field(body, loc):
+    many = body.lstrip().startswith(b"[")
+    with pytest.raises(WireError) as error:
+        decode_groups(body, many=many, strict=True, build=True, run_id="api")
+    assert [d["loc"] for d in error.value.detail][0] == loc, error.value.detail
+
+
+def test_without_strict_strings_and_negative_ids_are_taken_as_atropos_takes_them():
+    parsed = decode_groups(orjson.dumps(group(scores=[1.0, "NaN"], tokens=[[1, 2, 3], [4, -5]])), many=False, build=True)
+    assert parsed.rows.num_rows == 1
+
+
+def test_strict_bounds_token_ids_by_the_vocab_size():
+    body = orjson.dumps(group(tokens=[[1, 2, 3], [4, 511]]))
+    assert decode_groups(body, many=False, strict=True, build=True, vocab_size=512).rows.num_rows == 1
+    with pytest.raises(WireError) as error:
+        decode_groups(orjson.dumps(group(tokens=[[1, 512, 3], [4, 5]])), many=False, strict=True, vocab_size=512)
+    assert error.value.detail[0]["loc"] == ["body", "tokens", 0, 1] and "vocab" in error.value.detail[0]["msg"]
