@@ -35,7 +35,7 @@ from factory.run_control import current_flow_run_id
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.store import ShardStore
 from flows.datagen_ops import RunOps, RunStopped, close_current
-from flows.datagen_runtime import Backpressure, make_task_runner, use_endpoints_block
+from flows.datagen_runtime import Backpressure, check_importable_by_workers, make_task_runner, use_endpoints_block
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
 from tasks.score import score_task
@@ -296,6 +296,7 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
     use_endpoints_block(cfg)
     try:
+        check_importable_by_workers(cfg.datagen, __name__)
         preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
     except PreflightError as error:
         from factory.run_control import fail_without_retry

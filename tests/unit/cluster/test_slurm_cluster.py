@@ -150,3 +150,27 @@ def test_cluster_deployment_is_the_seed_job_on_slurm_blocks() -> None:
     assert (cfg.env.group_size, cfg.env.total_items, cfg.datagen.chunk_items) == (16, 1000, 100)
     assert cfg.datagen.task_runner_block == "factory-slurm-cluster/datagen-nodes"
     assert cfg.datagen.endpoints_block == "sglang-endpoints"
+
+
+def test_deployment_entrypoints_are_module_paths_that_every_worker_imports_by_the_same_name() -> None:
+    """`flows/datagen.py:f` would load the file as module `datagen`, which Dask/SLURM workers cannot unpickle."""
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    for deployment in yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())["deployments"]:
+        module, _, name = deployment["entrypoint"].partition(":")
+        assert "/" not in module and not module.endswith(".py"), deployment["name"]
+        flow = load_flow_from_entrypoint(deployment["entrypoint"], use_placeholder_flow=False)
+        assert flow.fn.__module__ == module and flow.fn.__name__ == name, deployment["name"]
+
+
+def test_a_flow_loaded_from_a_file_path_is_refused_before_it_reaches_dask_workers() -> None:
+    from factory.preflight import PreflightError
+    from flows.datagen import DatagenSettings
+    from flows.datagen_runtime import check_importable_by_workers
+
+    check_importable_by_workers(DatagenSettings(task_runner="dask"), "flows.datagen")
+    check_importable_by_workers(DatagenSettings(), "datagen")  # threads share the flow's own modules
+    for settings in (DatagenSettings(task_runner="dask"), DatagenSettings(task_runner_block="factory-slurm-cluster/x")):
+        with pytest.raises(PreflightError, match="entrypoint: flows.datagen:intern_bootcamp_datagen"):
+            check_importable_by_workers(settings, "datagen")
