@@ -20,6 +20,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +229,166 @@ def job_script(spec: SlurmClusterSpec, *, run_id: str | None = None) -> str:
 
     with SLURMCluster(**cluster_kwargs(spec, run_id=run_id)) as cluster:
         return cluster.job_script()
+
+
+class ClusterFault(RuntimeError):
+    """Worker jobs that cannot work as configured (sbatch refuses them, workers die on start-up); retries cannot help."""
+
+
+def check_submittable(kwargs: dict[str, Any]) -> None:
+    """Ask `sbatch --test-only` about the job script the cluster will submit; raise ClusterFault with sbatch's words.
+
+    A partition, account or QOS that does not exist (or a request no node can meet) is refused here in a second,
+    instead of inside dask-jobqueue's adaptive loop, which logs the error once and then waits for workers forever.
+    """
+    if shutil.which("sbatch") is None:
+        raise ClusterFault("sbatch is not on PATH: run the flow (its work pool's worker) on a node where SLURM's "
+                           "commands work, e.g. the login node")
+    from dask_jobqueue.slurm import SLURMJob
+
+    job_kwargs = {key: value for key, value in kwargs.items() if key != "scheduler_options"}
+    script = SLURMJob(scheduler="tcp://127.0.0.1:1", name="check", **job_kwargs).job_script()
+    try:
+        done = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ClusterFault("sbatch --test-only did not answer within 60 s: is the SLURM controller up "
+                           "(`sinfo`)?") from None
+    if done.returncode != 0:
+        words = "; ".join(line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip())
+        asked = ", ".join(f"{key}={kwargs.get(key)!r}" for key in ("queue", "account") if kwargs.get(key))
+        asked = ", ".join(filter(None, [asked, *[d for d in kwargs.get("job_extra_directives", []) if "qos" in d]]))
+        raise ClusterFault(f"SLURM refuses the worker jobs ({asked or 'default partition'}; fix the cluster block's "
+                           f"partition/account/qos/resources): {words or f'sbatch exited {done.returncode}'}")
+
+
+ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*|.*\b(error|No such file|not found|Permission denied)\b.*",
+                        re.IGNORECASE)
+
+
+def first_error(log: Path) -> str:
+    """The line of a worker.log that says why the worker stopped: its last exception line, else its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    exceptions = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    if exceptions:
+        return exceptions[-1]
+    errors = [line for line in lines if ERROR_LINE.match(line)]
+    return (errors or lines or ["(empty log)"])[-1]
+
+
+def queue_states(job_name: str) -> dict[str, tuple[str, str]]:
+    """{job id: (state, node)} of this user's queued or running jobs called `job_name` ({} if squeue fails)."""
+    try:
+        done = subprocess.run(["squeue", "-h", "--name", job_name, "--user", _user(), "-o", "%i %T %N"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            states[parts[0]] = (parts[1], parts[2] if len(parts) > 2 else "")
+    return states
+
+
+class JobWatch:
+    """Follows an adaptive SLURMCluster from a thread: logs each job as it is submitted and its worker as it joins
+    and leaves (SLURM job id, node), and records a fault when a job ends before its worker ever joined.
+
+    A job that ran and ended without its worker joining the scheduler died on start-up (the python on the node
+    lacks the environment, a prologue line exits, an import fails): the same job script fails the same way every
+    time, so the run should stop with that worker's error rather than wait for a worker that never comes.
+    """
+
+    def __init__(self, cluster: Any, *, job_name: str, log_dir: Path, log: Callable[[str], None],
+                 interval_s: float = 1.0) -> None:
+        self.cluster, self.job_name, self.log_dir, self.log = cluster, job_name, Path(log_dir), log
+        self.interval_s = interval_s
+        self.fault: str | None = None
+        self.closing = False
+        self.jobs: dict[str, dict[str, Any]] = {}
+        """job id -> {"name": worker name, "node": node or None, "joined": bool, "ended": bool}."""
+        self._workers: dict[str, str] = {}  # address of a joined worker -> its job id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _snapshot(self) -> tuple[dict[str, str], dict[str, Any]]:
+        jobs = {name: str(job.job_id) for name, job in list(self.cluster.workers.items())
+                if getattr(job, "job_id", None)}
+        workers = dict(self.cluster.scheduler_info.get("workers", {}))
+        return jobs, workers
+
+    def poll(self) -> None:
+        """One look at the cluster's jobs, the scheduler's workers and squeue; logs what changed."""
+        jobs, workers = self._snapshot()
+        queue = queue_states(self.job_name)
+        for name, job_id in jobs.items():
+            if job_id not in self.jobs:
+                self.jobs[job_id] = {"name": name, "node": None, "joined": False, "ended": False}
+                self.log(f"SLURM job {job_id} submitted for Dask worker {name} ({queue.get(job_id, ('?',))[0]})")
+        for address, info in workers.items():
+            if address in self._workers:
+                continue
+            name = str(info.get("name", ""))
+            job_id = jobs.get(name) or jobs.get(name.rsplit("-", 1)[0])  # processes > 1: '<job's name>-<i>'
+            if job_id is None:
+                continue
+            job = self.jobs.setdefault(job_id, {"name": name, "node": None, "joined": False, "ended": False})
+            job["joined"] = True
+            job["node"] = queue.get(job_id, ("", ""))[1] or info.get("host")
+            self._workers[address] = job_id
+            self.log(f"worker joined: SLURM job {job_id} on node {job['node']} ({name}, {address})")
+        for address in [a for a in self._workers if a not in workers]:
+            job_id = self._workers.pop(address)
+            state = queue.get(job_id, ("ended",))[0]
+            self.log(f"worker left: SLURM job {job_id} on node {self.jobs[job_id]['node']} (job {state.lower()})")
+        for job_id, job in self.jobs.items():
+            if job["ended"] or job_id in queue:
+                continue
+            job["ended"] = True
+            log = self.log_dir / job_id / "worker.log"
+            held = job["name"] in jobs  # the cluster still counts on it: it did not scale this job away
+            if not job["joined"] and held and log.is_file() and not self.closing and self.fault is None:
+                self.fault = (f"SLURM job {job_id} ended before its Dask worker joined (log {log}); the worker's "
+                              f"error: {first_error(log)}")
+                self.log(self.fault)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 - watching must never take the run down
+                logger.debug("job watch: %s", error)
+
+    def start(self) -> JobWatch:
+        self._thread = threading.Thread(target=self._run, name="slurm-job-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+def _close_all_workers(dask_scheduler: Any) -> None:
+    for address in list(dask_scheduler.workers):
+        dask_scheduler.close_worker(address)  # the worker, then its nanny, exit; the job script ends
+
+
+def retire_workers(client: Any, cluster: Any, *, job_name: str, timeout_s: float = 15.0) -> None:
+    """Stop adapting and let every worker exit by itself, so jobs end COMPLETED rather than CANCELLED by scancel."""
+    adaptive = getattr(cluster, "_adaptive", None)
+    if adaptive is not None:
+        adaptive.stop()
+    try:
+        # Not client.retire_workers: it refuses a worker that holds results no other worker can take over.
+        client.run_on_scheduler(_close_all_workers)
+    except Exception as error:  # noqa: BLE001 - the cluster's close cancels what is left
+        logger.warning("could not retire the Dask workers (%s); their jobs are cancelled instead", error)
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and queue_states(job_name):
+        time.sleep(0.5)
 
 
 def worker_identity() -> dict[str, Any]:
