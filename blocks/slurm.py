@@ -34,11 +34,11 @@ from factory.slurm_cluster import (
 
 
 class SlurmTaskRunner(DaskTaskRunner):
-    """A DaskTaskRunner over dask_jobqueue.SLURMCluster that watches its jobs (JobWatch) and retires workers at the end."""
+    """A DaskTaskRunner over a SLURMCluster whose jobs end by themselves, watching them (JobWatch) as they come and go."""
 
     def __init__(self, *, cluster_kwargs: dict[str, Any], adapt_kwargs: dict[str, Any], log_dir: str,
                  **kwargs: Any) -> None:
-        super().__init__(cluster_class="dask_jobqueue.SLURMCluster", cluster_kwargs=cluster_kwargs,
+        super().__init__(cluster_class="factory.slurm_jobs.GracefulSLURMCluster", cluster_kwargs=cluster_kwargs,
                          adapt_kwargs=adapt_kwargs, **kwargs)
         self.log_dir = log_dir
         self.watch: JobWatch | None = None

@@ -311,15 +311,16 @@ class JobWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _snapshot(self) -> tuple[dict[str, str], dict[str, Any]]:
+    def _snapshot(self) -> tuple[dict[str, str], dict[str, Any], set[str]]:
         jobs = {name: str(job.job_id) for name, job in list(self.cluster.workers.items())
                 if getattr(job, "job_id", None)}
         workers = dict(self.cluster.scheduler_info.get("workers", {}))
-        return jobs, workers
+        wanted = set(self.cluster.worker_spec)  # scaling down drops a job from the spec before cancelling it
+        return jobs, workers, wanted
 
     def poll(self) -> None:
         """One look at the cluster's jobs, the scheduler's workers and squeue; logs what changed."""
-        jobs, workers = self._snapshot()
+        jobs, workers, wanted = self._snapshot()
         queue = queue_states(self.job_name)
         for name, job_id in jobs.items():
             if job_id not in self.jobs:
@@ -346,7 +347,7 @@ class JobWatch:
                 continue
             job["ended"] = True
             log = self.log_dir / job_id / "worker.log"
-            held = job["name"] in jobs  # the cluster still counts on it: it did not scale this job away
+            held = job["name"] in wanted  # the cluster still counts on it: it did not scale this job away
             if not job["joined"] and held and log.is_file() and not self.closing and self.fault is None:
                 self.fault = (f"SLURM job {job_id} ended before its Dask worker joined (log {log}); the worker's "
                               f"error: {first_error(log)}")
@@ -375,19 +376,25 @@ def _close_all_workers(dask_scheduler: Any) -> None:
         dask_scheduler.close_worker(address)  # the worker, then its nanny, exit; the job script ends
 
 
-def retire_workers(client: Any, cluster: Any, *, job_name: str, timeout_s: float = 15.0) -> None:
-    """Stop adapting and let every worker exit by itself, so jobs end COMPLETED rather than CANCELLED by scancel."""
+def retire_workers(client: Any, cluster: Any, *, job_name: str, timeout_s: float = 20.0) -> None:
+    """Stop adapting and let every worker exit by itself, so jobs end COMPLETED rather than CANCELLED by scancel.
+
+    Workers of jobs that were still starting join later; they are closed as they join, until no job is left or
+    `timeout_s` has passed (the cluster's close then cancels the rest).
+    """
     adaptive = getattr(cluster, "_adaptive", None)
     if adaptive is not None:
         adaptive.stop()
-    try:
-        # Not client.retire_workers: it refuses a worker that holds results no other worker can take over.
-        client.run_on_scheduler(_close_all_workers)
-    except Exception as error:  # noqa: BLE001 - the cluster's close cancels what is left
-        logger.warning("could not retire the Dask workers (%s); their jobs are cancelled instead", error)
-        return
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and queue_states(job_name):
+    while True:
+        try:
+            # Not client.retire_workers: it refuses a worker that holds results no other worker can take over.
+            client.run_on_scheduler(_close_all_workers)
+        except Exception as error:  # noqa: BLE001 - the cluster's close cancels what is left
+            logger.warning("could not close the Dask workers (%s); their jobs are cancelled instead", error)
+            return
+        if time.monotonic() >= deadline or not queue_states(job_name):
+            return
         time.sleep(0.5)
 
 

@@ -20,6 +20,7 @@ import json
 import threading
 import time
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
@@ -297,6 +298,8 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     try:  # configuration faults: failed at once, never retried
         cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
         use_endpoints_block(cfg)  # before preflight, which checks the block's endpoints
+        if "://" not in cfg.datagen.store_root:  # './data' is where the flow runs, also for workers in other dirs
+            cfg.datagen.store_root = str(Path(cfg.datagen.store_root).absolute())
         check_importable_by_workers(cfg.datagen, __name__)
         preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
         runner = make_task_runner(cfg.datagen)  # a SLURM block asks sbatch --test-only here
