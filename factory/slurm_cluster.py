@@ -412,8 +412,9 @@ def _user() -> str:
 def _squeue_names(name: str) -> list[str]:
     done = subprocess.run(["squeue", "-h", "--name", name, "--user", _user(), "-o", "%i"], capture_output=True,
                           text=True, timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"squeue failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+    if done.returncode != 0:  # SLURM down: no job can be listed or submitted, and a retry in 30 s rarely helps
+        raise ClusterFault(f"squeue failed (exit {done.returncode}; is the SLURM controller up? try sinfo): "
+                           f"{' '.join(done.stderr.split())[-300:]}")
     return done.stdout.split()
 
 

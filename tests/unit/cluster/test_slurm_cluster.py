@@ -278,3 +278,16 @@ def test_a_job_script_sbatch_refuses_is_a_cluster_fault_ending_in_sbatchs_words(
                                       "partition name specified")
     script = (tmp_path / "script").read_text()
     assert "#SBATCH -p gpu" in script and "#SBATCH --qos=high" in script and "distributed.cli.dask_worker" in script
+
+
+def test_slurm_down_is_a_cluster_fault_with_squeues_words(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from factory.slurm_cluster import ClusterFault, cancel_jobs_named
+
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' "
+                      ">&2\nexit 1\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(ClusterFault, match=r"is the SLURM controller up\? try sinfo\): slurm_load_jobs error: Unable "
+                                           r"to contact slurm controller \(connect failure\)$"):
+        cancel_jobs_named("factory-datagen-r")
