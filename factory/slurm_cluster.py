@@ -12,6 +12,7 @@ Dask worker, the node-local inference server if any) and SLURM's own messages
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import re
@@ -361,7 +362,10 @@ class JobWatch:
                 logger.debug("job watch: %s", error)
 
     def start(self) -> JobWatch:
-        self._thread = threading.Thread(target=self._run, name="slurm-job-watch", daemon=True)
+        # The caller's context (a flow run's settings and logger): a bare thread would see none, and a Prefect
+        # log call from it would start a temporary server of its own.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="slurm-job-watch", daemon=True)
         self._thread.start()
         return self
 
