@@ -64,8 +64,12 @@ class SlurmTaskRunner(DaskTaskRunner):
     def __exit__(self, *args: Any) -> None:
         if self.watch is not None:
             self.watch.closing = True
+        failed = bool(args and args[0] is not None) or self.fault() is not None
         if self._client is not None and self._cluster is not None:
-            retire_workers(self._client, self._cluster, job_name=self.cluster_kwargs["job_name"])
+            if failed:  # no grace for a failed run: its jobs go now, and the error reaches the user at once
+                cancel_jobs_named(self.cluster_kwargs["job_name"], why="of the failed run")
+            else:
+                retire_workers(self._client, self._cluster, job_name=self.cluster_kwargs["job_name"])
         if self.watch is not None:
             self.watch.poll()  # the workers' leaving, in the run's log
             self.watch.stop()

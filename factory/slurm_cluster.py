@@ -429,15 +429,14 @@ def jobs_named(name: str) -> list[str]:
     return _squeue_names(name)
 
 
-def cancel_jobs_named(name: str) -> list[str]:
+def cancel_jobs_named(name: str, why: str = "left by an earlier run") -> list[str]:
     """Cancel every job called `name` (e.g. left by a killed flow of the same run); returns their ids."""
     jobs = jobs_named(name)
     if jobs:
         done = subprocess.run(["scancel", "--name", name, "--user", _user()], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"scancel --name {name} failed ({done.returncode}): {done.stderr.strip()[-300:]}")
-        logger.warning("cancelled %d SLURM job(s) named %s left by an earlier run: %s", len(jobs), name,
-                       ", ".join(jobs))
+        logger.warning("cancelled %d SLURM job(s) named %s %s: %s", len(jobs), name, why, ", ".join(jobs))
     return jobs
 
 
