@@ -12,6 +12,7 @@ Dask worker, the node-local inference server if any) and SLURM's own messages
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import re
@@ -20,6 +21,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +232,176 @@ def job_script(spec: SlurmClusterSpec, *, run_id: str | None = None) -> str:
         return cluster.job_script()
 
 
+class ClusterFault(RuntimeError):
+    """Worker jobs that cannot work as configured (sbatch refuses them, workers die on start-up); retries cannot help."""
+
+
+def check_submittable(kwargs: dict[str, Any]) -> None:
+    """Ask `sbatch --test-only` about the job script the cluster will submit; raise ClusterFault with sbatch's words.
+
+    A partition, account or QOS that does not exist (or a request no node can meet) is refused here in a second,
+    instead of inside dask-jobqueue's adaptive loop, which logs the error once and then waits for workers forever.
+    """
+    if shutil.which("sbatch") is None:
+        raise ClusterFault("sbatch is not on PATH: run the flow (its work pool's worker) on a node where SLURM's "
+                           "commands work, e.g. the login node")
+    from dask_jobqueue.slurm import SLURMJob
+
+    job_kwargs = {key: value for key, value in kwargs.items() if key != "scheduler_options"}
+    script = SLURMJob(scheduler="tcp://127.0.0.1:1", name="check", **job_kwargs).job_script()
+    try:
+        done = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ClusterFault("sbatch --test-only did not answer within 60 s: is the SLURM controller up "
+                           "(`sinfo`)?") from None
+    if done.returncode != 0:
+        words = "; ".join(line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip())
+        asked = ", ".join(f"{key}={kwargs.get(key)!r}" for key in ("queue", "account") if kwargs.get(key))
+        asked = ", ".join(filter(None, [asked, *[d for d in kwargs.get("job_extra_directives", []) if "qos" in d]]))
+        raise ClusterFault(f"SLURM refuses the worker jobs ({asked or 'default partition'}; fix the cluster block's "
+                           f"partition/account/qos/resources): {words or f'sbatch exited {done.returncode}'}")
+
+
+ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*|.*\b(error|No such file|not found|Permission denied)\b.*",
+                        re.IGNORECASE)
+
+
+def first_error(log: Path) -> str:
+    """The line of a worker.log that says why the worker stopped: its last exception line, else its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    exceptions = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    if exceptions:
+        return exceptions[-1]
+    errors = [line for line in lines if ERROR_LINE.match(line)]
+    return (errors or lines or ["(empty log)"])[-1]
+
+
+def queue_states(job_name: str) -> dict[str, tuple[str, str]]:
+    """{job id: (state, node)} of this user's queued or running jobs called `job_name` ({} if squeue fails)."""
+    try:
+        done = subprocess.run(["squeue", "-h", "--name", job_name, "--user", _user(), "-o", "%i %T %N"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            states[parts[0]] = (parts[1], parts[2] if len(parts) > 2 else "")
+    return states
+
+
+class JobWatch:
+    """Follows an adaptive SLURMCluster from a thread: logs each job as it is submitted and its worker as it joins
+    and leaves (SLURM job id, node), and records a fault when a job ends before its worker ever joined.
+
+    A job that ran and ended without its worker joining the scheduler died on start-up (the python on the node
+    lacks the environment, a prologue line exits, an import fails): the same job script fails the same way every
+    time, so the run should stop with that worker's error rather than wait for a worker that never comes.
+    """
+
+    def __init__(self, cluster: Any, *, job_name: str, log_dir: Path, log: Callable[[str], None],
+                 interval_s: float = 1.0) -> None:
+        self.cluster, self.job_name, self.log_dir, self.log = cluster, job_name, Path(log_dir), log
+        self.interval_s = interval_s
+        self.fault: str | None = None
+        self.closing = False
+        self.jobs: dict[str, dict[str, Any]] = {}
+        """job id -> {"name": worker name, "node": node or None, "joined": bool, "ended": bool}."""
+        self._workers: dict[str, str] = {}  # address of a joined worker -> its job id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _snapshot(self) -> tuple[dict[str, str], dict[str, Any], set[str]]:
+        jobs = {name: str(job.job_id) for name, job in list(self.cluster.workers.items())
+                if getattr(job, "job_id", None)}
+        workers = dict(self.cluster.scheduler_info.get("workers", {}))
+        wanted = set(self.cluster.worker_spec)  # scaling down drops a job from the spec before cancelling it
+        return jobs, workers, wanted
+
+    def poll(self) -> None:
+        """One look at the cluster's jobs, the scheduler's workers and squeue; logs what changed."""
+        jobs, workers, wanted = self._snapshot()
+        queue = queue_states(self.job_name)
+        for name, job_id in jobs.items():
+            if job_id not in self.jobs:
+                self.jobs[job_id] = {"name": name, "node": None, "joined": False, "ended": False}
+                self.log(f"SLURM job {job_id} submitted for Dask worker {name} ({queue.get(job_id, ('?',))[0]})")
+        for address, info in workers.items():
+            if address in self._workers:
+                continue
+            name = str(info.get("name", ""))
+            job_id = jobs.get(name) or jobs.get(name.rsplit("-", 1)[0])  # processes > 1: '<job's name>-<i>'
+            if job_id is None:
+                continue
+            job = self.jobs.setdefault(job_id, {"name": name, "node": None, "joined": False, "ended": False})
+            job["joined"] = True
+            job["node"] = queue.get(job_id, ("", ""))[1] or info.get("host")
+            self._workers[address] = job_id
+            self.log(f"worker joined: SLURM job {job_id} on node {job['node']} ({name}, {address})")
+        for address in [a for a in self._workers if a not in workers]:
+            job_id = self._workers.pop(address)
+            state = queue.get(job_id, ("ended",))[0]
+            self.log(f"worker left: SLURM job {job_id} on node {self.jobs[job_id]['node']} (job {state.lower()})")
+        for job_id, job in self.jobs.items():
+            if job["ended"] or job_id in queue:
+                continue
+            job["ended"] = True
+            log = self.log_dir / job_id / "worker.log"
+            held = job["name"] in wanted  # the cluster still counts on it: it did not scale this job away
+            if not job["joined"] and held and log.is_file() and not self.closing and self.fault is None:
+                self.fault = (f"SLURM job {job_id} ended before its Dask worker joined (log {log}); the worker's "
+                              f"error: {first_error(log)}")
+                self.log(self.fault)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 - watching must never take the run down
+                logger.debug("job watch: %s", error)
+
+    def start(self) -> JobWatch:
+        # The caller's context (a flow run's settings and logger): a bare thread would see none, and a Prefect
+        # log call from it would start a temporary server of its own.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="slurm-job-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+def _close_all_workers(dask_scheduler: Any) -> None:
+    for address in list(dask_scheduler.workers):
+        dask_scheduler.close_worker(address)  # the worker, then its nanny, exit; the job script ends
+
+
+def retire_workers(client: Any, cluster: Any, *, job_name: str, timeout_s: float = 20.0) -> None:
+    """Stop adapting and let every worker exit by itself, so jobs end COMPLETED rather than CANCELLED by scancel.
+
+    Workers of jobs that were still starting join later; they are closed as they join, until no job is left or
+    `timeout_s` has passed (the cluster's close then cancels the rest).
+    """
+    adaptive = getattr(cluster, "_adaptive", None)
+    if adaptive is not None:
+        adaptive.stop()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            # Not client.retire_workers: it refuses a worker that holds results no other worker can take over.
+            client.run_on_scheduler(_close_all_workers)
+        except Exception as error:  # noqa: BLE001 - the cluster's close cancels what is left
+            logger.warning("could not close the Dask workers (%s); their jobs are cancelled instead", error)
+            return
+        if time.monotonic() >= deadline or not queue_states(job_name):
+            return
+        time.sleep(0.5)
+
+
 def worker_identity() -> dict[str, Any]:
     """Where this process runs: host, SLURM job id (None outside SLURM) and pid, recorded in chunk stats."""
     return {"host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid()}
@@ -242,8 +416,9 @@ def _user() -> str:
 def _squeue_names(name: str) -> list[str]:
     done = subprocess.run(["squeue", "-h", "--name", name, "--user", _user(), "-o", "%i"], capture_output=True,
                           text=True, timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"squeue failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+    if done.returncode != 0:  # SLURM down: no job can be listed or submitted, and a retry in 30 s rarely helps
+        raise ClusterFault(f"squeue failed (exit {done.returncode}; is the SLURM controller up? try sinfo): "
+                           f"{' '.join(done.stderr.split())[-300:]}")
     return done.stdout.split()
 
 
@@ -254,15 +429,14 @@ def jobs_named(name: str) -> list[str]:
     return _squeue_names(name)
 
 
-def cancel_jobs_named(name: str) -> list[str]:
+def cancel_jobs_named(name: str, why: str = "left by an earlier run") -> list[str]:
     """Cancel every job called `name` (e.g. left by a killed flow of the same run); returns their ids."""
     jobs = jobs_named(name)
     if jobs:
         done = subprocess.run(["scancel", "--name", name, "--user", _user()], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"scancel --name {name} failed ({done.returncode}): {done.stderr.strip()[-300:]}")
-        logger.warning("cancelled %d SLURM job(s) named %s left by an earlier run: %s", len(jobs), name,
-                       ", ".join(jobs))
+        logger.warning("cancelled %d SLURM job(s) named %s %s: %s", len(jobs), name, why, ", ".join(jobs))
     return jobs
 
 

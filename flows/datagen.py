@@ -20,6 +20,7 @@ import json
 import threading
 import time
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
@@ -33,9 +34,10 @@ from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
 from factory.run_control import current_flow_run_id
 from factory.sampling import DynamicSampling, make_curriculum
+from factory.slurm_cluster import ClusterFault
 from factory.store import ShardStore
 from flows.datagen_ops import RunOps, RunStopped, close_current
-from flows.datagen_runtime import Backpressure, make_task_runner, use_endpoints_block
+from flows.datagen_runtime import Backpressure, check_importable_by_workers, make_task_runner, use_endpoints_block
 from tasks.generate import SamplingApi, generate_task
 from tasks.group import DROP_REASONS, group_task
 from tasks.score import score_task
@@ -293,16 +295,19 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
                 config_path: str | None = None, cli_args: list[str] | None = None) -> dict[str, Any]:
     """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
     values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
-    cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
-    use_endpoints_block(cfg)
-    try:
+    try:  # configuration faults: failed at once, never retried
+        cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
+        use_endpoints_block(cfg)  # before preflight, which checks the block's endpoints
+        if "://" not in cfg.datagen.store_root:  # './data' is where the flow runs, also for workers in other dirs
+            cfg.datagen.store_root = str(Path(cfg.datagen.store_root).absolute())
+        check_importable_by_workers(cfg.datagen, __name__)
         preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
-    except PreflightError as error:
+        runner = make_task_runner(cfg.datagen)  # a SLURM block asks sbatch --test-only here
+    except (PreflightError, ClusterFault, ValueError) as error:  # ValueError: ConfigError, a block not found
         from factory.run_control import fail_without_retry
 
         fail_without_retry(str(error))  # a wrong setting is not retried
         raise
-    runner = make_task_runner(cfg.datagen)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
     state = pipeline(ref, cfg.model_dump(mode="json"), return_state=True)

@@ -26,6 +26,7 @@ from factory.preflight import PreflightError, preflight
 from factory.inference.client import InferenceClient
 from factory.store import ShardStore
 from flows.datagen import JobConfig, build_job_config, run_datagen
+from flows.datagen_runtime import use_endpoints_block
 from tasks.generate import ClientSampler, load_tokenizer, resolve_api
 
 MODES = ("process", "evaluate", "serve")
@@ -102,6 +103,7 @@ def main(ref: str, argv: list[str] | None = None) -> int:
     config_path, args = split_config_path(rest)
     try:
         cfg = build_job_config(ref, config_path=config_path, cli_args=args)
+        use_endpoints_block(cfg)  # as the flow does: preflight checks the block's endpoints, not openai.base_url
         if mode == "serve" and not cfg.serve.api_url:
             raise ConfigError("serve mode needs the batching API: set --serve.api_url http://HOST:8000")
         preflight(cfg, mode=mode, wait_s=cfg.datagen.preflight_wait_s)

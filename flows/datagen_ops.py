@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.progress import PROGRESS_PREFIX, ChunkProgress
+from factory.slurm_cluster import ClusterFault
 from factory.run_control import RunOwner, current_flow_run_id, set_state
 from factory.shutdown import GracefulStop, hard_exit
 
@@ -45,6 +46,13 @@ def parent_flow_run_id() -> str | None:
     return str(flow_run_id) if flow_run_id else None
 
 
+def _current_task_runner() -> Any:
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return context.task_runner if context else None
+
+
 _current: RunOps | None = None
 
 
@@ -66,6 +74,7 @@ class RunOps:
         self.stop = GracefulStop(d.shutdown_grace_s, on_abandon=self._abandon)
         self.progress: ChunkProgress | None = None
         self._upstream: dict[int, tuple[Any, ...]] = {}
+        self.runner = _current_task_runner()
 
     @classmethod
     def start(cls, store: Any, cfg: Any, logger: Any) -> RunOps:
@@ -130,10 +139,24 @@ class RunOps:
         self._upstream[id(grouped)] = upstream
 
     def result(self, grouped: Any) -> Any:
-        """The chunk's result; when it failed, the first failed upstream task's own error (not UnfinishedRun)."""
+        """The chunk's result; when it failed, the first failed upstream task's own error (not UnfinishedRun).
+
+        On a task runner that can tell a fault (SlurmTaskRunner: a worker job died on start-up), waiting is in
+        one-second steps, and a fault fails the runs at once, without retries: no worker would ever come.
+        """
         upstream = self._upstream.pop(id(grouped), ())
         try:
-            return grouped.result()
+            if not hasattr(self.runner, "fault"):
+                return grouped.result()
+            while True:
+                try:
+                    return grouped.result(timeout=1.0)
+                except TimeoutError:
+                    if fault := self.runner.fault():
+                        set_state(self.runs, "Failed", fault)
+                        raise ClusterFault(fault) from None
+        except ClusterFault:
+            raise
         except Exception:
             for future in upstream:
                 future.wait()

@@ -76,6 +76,21 @@ def make_task_runner(d: Any) -> Any:
     return TASK_RUNNERS[d.task_runner](d)
 
 
+def check_importable_by_workers(d: Any, module: str) -> None:
+    """Raise PreflightError when chunks would run in other processes that cannot import the flow's module.
+
+    Dask pickles the pipeline flow by module name. A file-path entrypoint (`flows/datagen.py:...`) loads the file
+    as module `datagen`, which no Dask or SLURM worker can import: every worker would die on its first task.
+    """
+    if module.startswith("flows.") or (d.task_runner == "thread" and not d.task_runner_block):
+        return
+    from factory.preflight import PreflightError
+
+    raise PreflightError("entrypoint", module, "the flow was loaded from a file path, so Dask/SLURM workers cannot "
+                         f"import module {module!r}; deploy it by module path, e.g. entrypoint: "
+                         "flows.datagen:intern_bootcamp_datagen (as in prefect.yaml)")
+
+
 def use_endpoints_block(cfg: Any) -> None:
     """Point `cfg.openai` at the endpoints of the block named in `datagen.endpoints_block`, keeping its other settings.
 

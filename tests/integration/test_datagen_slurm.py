@@ -25,6 +25,7 @@ import distributed  # noqa: F401
 import pytest
 
 from factory.inference.fault_server import FaultServer
+from factory.slurm_cluster import ClusterFault
 from factory.store import ShardStore
 from tests.integration.conftest import REPO, jobs_named
 
@@ -256,3 +257,38 @@ def test_tasks_sample_from_the_inference_server_their_job_started_on_its_node(sl
     log = (tmp_path / "logs" / job_id / "worker.log").read_text()
     assert "node inference server healthy at http://127.0.0.1:" in log
     assert (tmp_path / "logs" / job_id / "server.log").is_file()
+
+
+def test_a_partition_slurm_does_not_have_fails_the_run_at_once_with_sbatchs_words(slurm: None, prefect_server: dict,
+                                                                                  tmp_path: Path) -> None:
+    """sbatch --test-only refuses the job script before the cluster starts; the flow's retries are skipped."""
+    from flows.datagen import intern_bootcamp_datagen
+
+    block = _save_block("test-bad-partition", tmp_path, partition="no-such-partition")
+    started = time.monotonic()
+    with FaultServer() as server, pytest.raises(ClusterFault) as raised:
+        intern_bootcamp_datagen(**_job(tmp_path, "bad-partition", block, 4, server))
+    assert time.monotonic() - started < 30
+    message = str(raised.value)
+    assert "partition" in message and message.endswith("Invalid partition name specified"), message
+    assert "invalid partition specified: no-such-partition" in message
+    assert jobs_named(f"factory-test-{os.getpid()}-bad-partition") == []
+
+
+def test_workers_that_die_on_start_up_fail_the_run_with_the_first_workers_error(slurm: None, prefect_server: dict,
+                                                                                tmp_path: Path) -> None:
+    """A python on the nodes without the environment (here: without site-packages) cannot start a Dask worker."""
+    import sys
+
+    from flows.datagen import intern_bootcamp_datagen
+
+    block = _save_block("test-dead-workers", tmp_path, python=f"{sys.executable} -S", min_jobs=1, max_jobs=2)
+    job_name = f"factory-test-{os.getpid()}-dead-workers"
+    started = time.monotonic()
+    with FaultServer() as server, pytest.raises(ClusterFault) as raised:
+        intern_bootcamp_datagen(**_job(tmp_path, "dead-workers", block, 4, server))
+    elapsed = time.monotonic() - started
+    message = str(raised.value)
+    assert elapsed < 60, f"{elapsed:.0f} s: {message}"
+    assert "ended before its Dask worker joined" in message and "No module named 'distributed'" in message, message
+    assert _wait_for(lambda: jobs_named(job_name) == [], 30, "the cluster's jobs to end")
