@@ -130,7 +130,7 @@ def test_registered_by_its_entry_point():
 
 DEPLOYMENT = '''
 - name: {name}-datagen
-  entrypoint: flows/env_library.py:env_datagen
+  entrypoint: flows.env_library:env_datagen
   description: "{name} (plugin package {dist}; pip install -e {path})."
   tags: [datagen, plugin, {name}]
   parameters:

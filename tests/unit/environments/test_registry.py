@@ -81,7 +81,7 @@ def test_scaffold_writes_a_working_env_config_test_and_deployment(tmp_path, monk
     assert env.score(item, f"<answer>{item.answer}</answer>") == 1.0 and env.score(item, "?") == 0.0
     deployment = next(d for d in yaml.safe_load(prefect_yaml.read_text())["deployments"]
                       if d["name"] == "word_sum-datagen")
-    assert deployment["entrypoint"] == "flows/env_library.py:env_datagen"
+    assert deployment["entrypoint"] == "flows.env_library:env_datagen"
     assert deployment["parameters"] == {"env_name": "word_sum", "config_path": "plugins/word_sum/word_sum.yaml"}
     config = yaml.safe_load((root / "word_sum.yaml").read_text())
     assert set(config) == {"env", "openai", "datagen"} and config["datagen"]["run_id"] == "word_sum"

@@ -63,7 +63,7 @@ def test_grpo_train_deployment_is_registered_with_a_valid_config():
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     d = deployments["grpo-train"]
-    assert d["entrypoint"] == "flows/grpo_train.py:grpo_train"
+    assert d["entrypoint"] == "flows.grpo_train:grpo_train"
     params = d["parameters"]
     cfg = build_train_config(config_path=str(ROOT / params["config_path"]), values={"train": params["train"]})
     assert cfg.train.batch_size % params["nproc_per_node"] == 0
