@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from factory.store import CommitRecord, ShardStore
+from factory.store import CommitRecord, ShardStore, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +207,19 @@ class GroupCommitter:
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1
-            record = await asyncio.to_thread(
-                self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
-            )
+            name = shard_name(self.producer, chunk)
+            existed = name in self.store.committed(self.run_id)  # the log's new end only: a stat and a short read
+            try:
+                record = await asyncio.to_thread(
+                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
+                )
+            except Exception:
+                # The commit log is the truth: a commit whose record is in it is stored, whatever was raised after.
+                logged = await asyncio.to_thread(self.store.committed, self.run_id)
+                record = logged.get(name)
+                if record is None or existed or record.rows != groups.num_rows:
+                    raise
+                logger.warning("the commit of chunk %d raised after its record was durable; counted as committed", chunk)
             if not record.skipped:
                 self.commits += 1
                 self._since_trim += groups.nbytes
