@@ -363,6 +363,11 @@ class ShardStore:
             fsync_dir(shards)
         return finished
 
+    def finish_commits(self, run_id: str) -> list[str]:
+        """Rename committed shards left under their temporary name (a crash or failed rename) into place."""
+        with self._locked(run_id):
+            return self._finish_commits(run_id)
+
     def _forget_log(self, run_id: str) -> None:
         with self._logs_lock:
             self._logs.pop(run_id, None)

@@ -213,7 +213,10 @@ class BatchService:
                          record.shard, self.state.path, error)
             return
         self._stored_ids.difference_update(ids)
-        self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
+        path = self.store.shards_dir(record.run_id) / record.shard
+        if not path.exists():  # committed, but its rename into place failed: finish it (reads fail until then)
+            self.store.finish_commits(record.run_id)
+        self.sources[source] = path
         self._known.add((record.run_id, record.shard))
         for row, (size, env, env_id, version) in enumerate(
             zip(columns["group_size"], columns["env"], columns["env_id"], columns["policy_version"])
