@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from factory.store import CommitRecord, ShardStore, shard_name
+from factory.store import CommitRecord, ShardStore, StoreError, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,10 @@ class GroupCommitter:
                     if asyncio.iscoroutine(result):
                         await result
                 except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
-                    logger.exception("commit of %d posted groups failed", groups.num_rows)
+                    if isinstance(error, StoreError):  # a full or failing disk: the message names the path
+                        logger.error("commit of %d posted groups failed: %s", groups.num_rows, error)
+                    else:
+                        logger.exception("commit of %d posted groups failed", groups.num_rows)
                     for item in take:
                         if not item.done.done():
                             item.done.set_exception(error)
