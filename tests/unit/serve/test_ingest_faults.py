@@ -172,3 +172,30 @@ def test_commit_that_fails_after_its_record_is_durable_is_acknowledged_once(tmp_
         assert served_ids(conn) == ["a"]
         conn.close()
     assert ShardStore(tmp_path).count("api") == 1 and ShardStore(tmp_path).verify("api") == []
+
+
+def test_a_commit_cut_short_before_its_rename_is_recognised_after_a_restart(tmp_path):
+    """SIGKILL between a post's durable commit record and its rename: after the restart the retry stores nothing."""
+    import asyncio
+
+    cfg = ServeConfig(store_root=str(tmp_path), follow_interval_s=0.05, prefetch=False, batch_metadata=True)
+    group = next(iter(synthetic_groups(1, group_size=2, seq_len=8)))
+    group.run_id = cfg.ingest_run
+    with inject(Plan("rename")):  # what the killed process left: the record in the log, the shard still hidden
+        ShardStore(tmp_path).commit(cfg.ingest_run, cfg.ingest_producer, 0, [group])
+    assert list(ShardStore(tmp_path).shards_dir(cfg.ingest_run).glob("*.parquet")) == []
+
+    async def scenario() -> tuple[int, list[str]]:
+        service = BatchService(cfg)
+        await service.start()
+        stored = await service.ingest([group.model_copy()])  # the client's retry
+        await service.register({**REGISTRATION, "batch_size": 2})
+        served = []
+        while (body := (await service.next_batch(False)).raw) and orjson.loads(body).get("batch"):
+            served += [g["group_id"] for g in orjson.loads(body)["batch"]]
+        await service.stop()
+        return stored, served
+
+    stored, served = asyncio.run(scenario())
+    assert stored == 0 and served == [group.group_id]
+    assert ShardStore(tmp_path).count(cfg.ingest_run) == 1 and ShardStore(tmp_path).verify(cfg.ingest_run) == []
