@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.store_faults.probe import Ballast, can_mount_tmpfs, ok, probe_api, probe_store, small_tmpfs
+from bench.store_faults.probe import Ballast, can_mount_tmpfs, ok, probe_store, small_tmpfs
 
 
 def test_store_commits_under_a_byte_quota_lose_and_double_nothing(tmp_path):
@@ -27,16 +27,3 @@ def test_store_commits_on_a_full_tmpfs_lose_and_double_nothing():
         finally:
             ballast.close()
     assert result["failed_commits"] and ok(result), result
-
-
-@pytest.mark.integration
-@needs_tmpfs
-def test_run_api_on_a_full_tmpfs_acknowledges_stores_and_serves_each_group_once():
-    with small_tmpfs(16) as mount:
-        ballast = Ballast(mount / "ballast")
-        try:
-            result = probe_api(mount, 12, ballast, seed=3, restart_every=5)
-        finally:
-            ballast.close()
-    assert result["posts"].get("503"), "no post met a full disk: the probe tested nothing"
-    assert ok(result), result
