@@ -231,8 +231,12 @@ class ShardStore:
     @contextmanager
     def _locked(self, run_id: str) -> Iterator[None]:
         run_dir = self.run_dir(run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / ".lock", "a") as lock:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / ".lock", "a")
+        except OSError as error:
+            raise _write_failure("opening the lock file", run_dir / ".lock", error) from error
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -265,10 +269,12 @@ class ShardStore:
             return CommitRecord(**{**asdict(existing), "skipped": True})
 
         shards = self.shards_dir(run_id)
-        try:
-            shards.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise _write_failure("creating", shards, error) from error
+        if not shards.is_dir():
+            try:
+                shards.mkdir(parents=True, exist_ok=True)
+                fsync_dir(shards.parent)  # the new directory's name is durable before anything in it is committed
+            except OSError as error:
+                raise _write_failure("creating", shards, error) from error
         tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
         logged = False
         try:
@@ -506,7 +512,7 @@ class ShardStore:
                 try:
                     with self._locked(run_id):
                         self._finish_commits(run_id)
-                except OSError:
+                except (OSError, StoreError):  # a read-only store: report the shard below
                     pass
                 problem = self._check(path, record, checksum)
             if problem:

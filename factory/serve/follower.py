@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.store import ShardStore
+from factory.store import ShardStore, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def scan_new_shards(
                 finished = True
                 try:
                     store.finish_commits(run_id)
-                except OSError as error:
+                except (OSError, StoreError) as error:
                     logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
             try:
                 size = path.stat().st_size
