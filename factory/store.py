@@ -299,8 +299,11 @@ class ShardStore:
                 if not replace and (existing := self.committed(run_id).get(name)) is not None:
                     return CommitRecord(**{**asdict(existing), "skipped": True})
                 if run_id not in self._recovered:
-                    self._finish_commits(run_id)
-                    self._recovered.add(run_id)
+                    try:
+                        self._finish_commits(run_id)
+                        self._recovered.add(run_id)
+                    except OSError as error:  # not this commit's business: tried again at the next one
+                        logger.error("cannot finish interrupted commits of run %s yet: %s", run_id, error)
                 if not tmp.exists():
                     raise StoreError(f"{tmp} vanished before its commit (was `repair` run while writers were active?); retry the chunk")
                 try:
