@@ -4,18 +4,25 @@ Layout under `root`::
 
     <run_id>/shards/<producer>-<chunk:08d>.parquet   committed shards (zstd, page checksums)
     <run_id>/shards/.<name>.<nonce>.tmp               a shard being written (hidden from globbing readers)
-    <run_id>/commits.jsonl                            one line per commit: shard, rows, bytes, sha256
+    <run_id>/commits.jsonl                            one checksummed line per commit: shard, rows, bytes, sha256
 
-A commit writes a hidden temporary file, fsyncs it, renames it into place and
-only then appends to the commit log, all renames and appends under one lock.
+A commit writes a hidden temporary file and fsyncs it and its directory; then,
+under the run's lock, it appends the commit record in one checked write and
+fsyncs the log (the commit point; see commit_log.py), and only then renames
+the shard to its visible name. So a glob reader (`<run>/shards/*.parquet`)
+sees exactly the committed shards; a crash or a full disk before the commit
+point leaves only a hidden temporary file, and one after it leaves a logged
+shard that the next commit (or read) of the run renames into place.
 Readers trust the commit log: a shard that is not logged, has the wrong size,
 or fails its page checksums is reported with its path and left out.
+`verify` finds what is inconsistent and `store_repair.repair` fixes what can be.
 Shard names are a pure function of (run, producer, chunk), so a retried or
 resumed writer skips (or, asked to, replaces) a chunk instead of duplicating it.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -36,6 +43,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from environments.groups import ScoredGroup, describe_validation_error
+from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
 
 logger = logging.getLogger(__name__)
@@ -55,7 +63,19 @@ READ_BATCH_GROUPS = 64
 
 
 class StoreError(RuntimeError):
-    """A store operation that cannot go on; the message says which path and why."""
+    """A store operation that cannot go on; the message says which path and why.
+
+    `errno` is the OS error behind it (e.g. errno.ENOSPC for a full disk), if any.
+    """
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno_
+
+
+def _write_failure(what: str, path: Path, error: OSError) -> StoreError:
+    hint = " (the disk is full: free space, then rerun)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return StoreError(f"{what} {path} failed: {error.strerror or error}{hint}", error.errno)
 
 
 @dataclass(frozen=True)
@@ -74,25 +94,56 @@ class CommitRecord:
     """True when `commit` found the chunk already committed and wrote nothing."""
 
     def to_json(self) -> str:
+        """The record as JSON without a check (the format before checked lines; still read)."""
         record = asdict(self)
         record.pop("skipped")
         return json.dumps(record, sort_keys=True)
+
+    def to_line(self) -> bytes:
+        """The record's commit-log line (checksummed, with its newline)."""
+        record = asdict(self)
+        record.pop("skipped")
+        return encode_line(record)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CommitRecord:
+        """A record from a parsed line; keys this version does not know are ignored."""
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data and name != "skipped"}
+        try:
+            return cls(**known)
+        except TypeError as error:
+            raise CommitLineError(f"not a commit record: {error}") from None
+
+
+def parse_commit_line(line: bytes) -> CommitRecord:
+    """The record of one commit-log line; raises CommitLineError (a ValueError) if it is torn or damaged."""
+    return CommitRecord.from_dict(decode_line(line))
 
 
 class _LogTail:
     """What this process has parsed of one run's commit log: up to `offset` bytes, `lines` lines."""
 
+    TAIL = 64
+
     def __init__(self, inode: int) -> None:
         self.inode, self.offset, self.lines = inode, 0, 0
         self.records: dict[str, CommitRecord] = {}
+        self.bad: list[tuple[int, str, bool]] = []
+        """(line number, why, whether a whole record was salvaged from it) of each damaged line."""
+        self.torn = 0
+        """Bytes after the last newline (a torn last line), as of the last read."""
+        self.tail = b""
+        """The last bytes parsed: a log rewritten or cut back under us no longer matches them."""
 
 
 @dataclass(frozen=True)
 class ShardProblem:
-    """A committed shard that cannot be served, and why."""
+    """Something in a run that a reader cannot trust, and why (`kind`: missing, size, sha256, unreadable,
+    torn-line, bad-line, unlogged, duplicate)."""
 
     path: str
     reason: str
+    kind: str = "shard"
 
 
 def shard_name(producer: str, chunk: int) -> str:
@@ -108,13 +159,16 @@ def _check_name(kind: str, value: str) -> None:
         )
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory by path (a directory's fsync makes a rename inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_path = fsync_dir
+"""fsync a file or a directory by path (a directory's fsync makes a rename inside it durable)."""
+
+
+def staged_shard(name: str) -> str | None:
+    """The shard a hidden temporary file `.<shard>.<nonce>.tmp` is being written for, or None."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return None
+    shard = name[1:].rsplit(".", 2)[0]
+    return shard if shard.endswith(".parquet") else None
 
 
 def _sha256(path: Path) -> str:
@@ -154,6 +208,8 @@ class ShardStore:
         """Shards left out of the most recent reads, with the reason."""
         self._logs: dict[str, _LogTail] = {}
         self._logs_lock = threading.Lock()
+        self._recovered: set[str] = set()
+        """Runs whose interrupted commits this process has finished (once, at its first commit)."""
 
     # ---- paths ----
     def run_dir(self, run_id: str) -> Path:
@@ -175,8 +231,12 @@ class ShardStore:
     @contextmanager
     def _locked(self, run_id: str) -> Iterator[None]:
         run_dir = self.run_dir(run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / ".lock", "a") as lock:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / ".lock", "a")
+        except OSError as error:
+            raise _write_failure("opening the lock file", run_dir / ".lock", error) from error
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -209,12 +269,22 @@ class ShardStore:
             return CommitRecord(**{**asdict(existing), "skipped": True})
 
         shards = self.shards_dir(run_id)
-        shards.mkdir(parents=True, exist_ok=True)
+        if not shards.is_dir():
+            try:
+                shards.mkdir(parents=True, exist_ok=True)
+                fsync_dir(shards.parent)  # the new directory's name is durable before anything in it is committed
+            except OSError as error:
+                raise _write_failure("creating", shards, error) from error
         tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+        logged = False
         try:
-            rows = self._write_parquet(tmp, groups, row_group_groups)
-            size = tmp.stat().st_size
-            checksum = _sha256(tmp)
+            try:
+                rows = self._write_parquet(tmp, groups, row_group_groups)
+                size = tmp.stat().st_size
+                checksum = _sha256(tmp)
+                fsync_dir(shards)  # the temporary's name is durable before a record points at it
+            except OSError as error:
+                raise _write_failure("writing shard", tmp, error) from error
             record = CommitRecord(
                 shard=name,
                 run_id=run_id,
@@ -228,16 +298,88 @@ class ShardStore:
             with self._locked(run_id):
                 if not replace and (existing := self.committed(run_id).get(name)) is not None:
                     return CommitRecord(**{**asdict(existing), "skipped": True})
-                os.replace(tmp, shards / name)
-                fsync_path(shards)
-                with open(self.commit_log(run_id), "a", encoding="utf-8") as log:
-                    log.write(record.to_json() + "\n")
-                    log.flush()
-                    os.fsync(log.fileno())
+                if run_id not in self._recovered:
+                    try:
+                        self._finish_commits(run_id)
+                        self._recovered.add(run_id)
+                    except OSError as error:  # not this commit's business: tried again at the next one
+                        logger.error("cannot finish interrupted commits of run %s yet: %s", run_id, error)
+                if not tmp.exists():
+                    raise StoreError(f"{tmp} vanished before its commit (was `repair` run while writers were active?); retry the chunk")
+                try:
+                    append_line(self.commit_log(run_id), record.to_line())
+                except LogUncertain as error:
+                    logged = True  # it may be in the log: keep the temporary, so the commit can still be finished
+                    self._forget_log(run_id)
+                    raise StoreError(str(error), error.errno) from error
+                except OSError as error:
+                    self._forget_log(run_id)
+                    raise _write_failure("appending the commit record of shard " + name + " to", self.commit_log(run_id), error) from error
+                logged = True
+                self._publish(tmp, shards / name)
         finally:
-            tmp.unlink(missing_ok=True)
+            if not logged:
+                tmp.unlink(missing_ok=True)
         logger.debug("committed %s (%d groups, %d bytes)", shards / name, rows, size)
         return record
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rename a shard whose record is durable to its visible name (under the run's lock).
+
+        The commit is already durable; a failure here is only logged: the next
+        commit of the run in any process (or a reader that misses the shard)
+        finishes the rename from the temporary file.
+        """
+        try:
+            os.replace(tmp, final)
+        except OSError as error:
+            logger.error("shard %s is committed but could not be renamed into place yet (%s); the next commit or read finishes it", final, error)
+            self._recovered.discard(final.parent.parent.name)
+
+    def _finish_commits(self, run_id: str) -> list[str]:
+        """Rename logged shards still under their temporary name into place (under the run's lock).
+
+        A commit interrupted after its record became durable (a crash, a failed
+        rename) left its shard only as `.<shard>.<nonce>.tmp`; the one whose
+        size and sha256 match the record is the committed shard. Returns the shards renamed.
+        """
+        shards = self.shards_dir(run_id)
+        try:
+            staged = [(entry, staged_shard(entry.name)) for entry in os.scandir(shards) if entry.name.endswith(".tmp")]
+        except FileNotFoundError:
+            return []
+        staged = [(entry, shard) for entry, shard in staged if shard]
+        if not staged:
+            return []
+        records = self.committed(run_id)
+        finished = []
+        for entry, shard in staged:
+            record = records.get(shard)
+            final = shards / shard
+            if record is None or shard in finished or self._check(final, record, True) is None:
+                continue
+            tmp = Path(entry.path)
+            try:
+                if tmp.stat().st_size != record.bytes or _sha256(tmp) != record.sha256:
+                    continue
+                os.replace(tmp, final)
+            except OSError as error:
+                logger.error("cannot finish the commit of %s from %s: %s", final, tmp, error)
+                continue
+            finished.append(shard)
+            logger.warning("finished an interrupted commit: renamed %s to %s", tmp.name, final)
+        if finished:
+            fsync_dir(shards)
+        return finished
+
+    def finish_commits(self, run_id: str) -> list[str]:
+        """Rename committed shards left under their temporary name (a crash or failed rename) into place."""
+        with self._locked(run_id):
+            return self._finish_commits(run_id)
+
+    def _forget_log(self, run_id: str) -> None:
+        with self._logs_lock:
+            self._logs.pop(run_id, None)
 
     @staticmethod
     def _write_parquet(path: Path, groups: Iterable[ScoredGroup | dict[str, Any]], row_group_groups: int) -> int:
@@ -278,11 +420,16 @@ class ShardStore:
         run_dir = self.run_dir(run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, run_dir / name)
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, run_dir / name)
+        except OSError as error:
+            raise _write_failure("writing", run_dir / name, error) from error
+        finally:
+            tmp.unlink(missing_ok=True)
         return run_dir / name
 
     # ---- the commit log ----
@@ -292,11 +439,14 @@ class ShardStore:
         The log is append-only, so each call parses only the lines appended since the last call (a
         long-running writer or follower would otherwise re-read a log that grows with every commit).
         """
+        return dict(self._read_log(run_id).records)
+
+    def _read_log(self, run_id: str) -> _LogTail:
         log_path = self.commit_log(run_id)
         try:
             stat = log_path.stat()
         except OSError:
-            return {}
+            return _LogTail(0)
         with self._logs_lock:
             cached = self._logs.get(run_id)
             if cached is None or cached.inode != stat.st_ino or stat.st_size < cached.offset:
@@ -304,22 +454,40 @@ class ShardStore:
                 self._logs[run_id] = cached
             if stat.st_size > cached.offset:
                 with open(log_path, "rb") as log:
-                    log.seek(cached.offset)
+                    if cached.offset:
+                        log.seek(cached.offset - len(cached.tail))
+                        if log.read(len(cached.tail)) != cached.tail:  # cut back and appended to since: start over
+                            cached = _LogTail(stat.st_ino)
+                            self._logs[run_id] = cached
+                            log.seek(0)
                     data = log.read()
                 end = data.rfind(b"\n") + 1
-                for line in data[:end].decode("utf-8", errors="replace").splitlines():
+                for line in data[:end].splitlines():
                     cached.lines += 1
-                    try:
-                        record = CommitRecord(**json.loads(line))
-                    except (ValueError, TypeError) as error:
-                        logger.error("%s:%d: unreadable commit record left out: %s", log_path, cached.lines, error)
-                        continue
-                    cached.records.pop(record.shard, None)
-                    cached.records[record.shard] = record
+                    self._parse_line(log_path, cached, line)
                 cached.offset += end
-                if end < len(data):
+                cached.tail = (cached.tail + data[:end])[-_LogTail.TAIL :]
+                cached.torn = len(data) - end
+                if cached.torn:
                     logger.warning("%s:%d: ignoring a torn last line (crash during append)", log_path, cached.lines + 1)
-            return dict(cached.records)
+            return cached
+
+    @staticmethod
+    def _parse_line(log_path: Path, cached: _LogTail, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            record = parse_commit_line(line)
+        except CommitLineError as error:
+            salvaged = salvage_line(line)
+            cached.bad.append((cached.lines, str(error), salvaged is not None))
+            if salvaged is None:
+                logger.error("%s:%d: unreadable commit record left out: %s", log_path, cached.lines, error)
+                return
+            record = CommitRecord.from_dict(salvaged)
+            logger.warning("%s:%d: a whole record follows a torn fragment on this line: kept %s", log_path, cached.lines, record.shard)
+        cached.records.pop(record.shard, None)
+        cached.records[record.shard] = record
 
     def is_committed(self, run_id: str, producer: str, chunk: int) -> bool:
         return shard_name(producer, chunk) in self.committed(run_id)
@@ -336,11 +504,22 @@ class ShardStore:
         self.problems = []
         paths = []
         shards = self.shards_dir(run_id)
+        finished = False
         for record in self.committed(run_id).values():
             path = shards / record.shard
             problem = self._check(path, record, checksum)
+            if problem and not finished:
+                # A commit in flight (its record is durable, the rename is next) or interrupted: wait for the
+                # writer's lock and finish it if it was interrupted. Read-only stores just report it.
+                finished = True
+                try:
+                    with self._locked(run_id):
+                        self._finish_commits(run_id)
+                except (OSError, StoreError):  # a read-only store: report the shard below
+                    pass
+                problem = self._check(path, record, checksum)
             if problem:
-                self.problems.append(ShardProblem(str(path), problem))
+                self.problems.append(ShardProblem(str(path), problem, problem.split(" ", 1)[0]))
                 logger.error("shard %s left out of reads: %s", path, problem)
             else:
                 paths.append(path)
@@ -359,15 +538,54 @@ class ShardStore:
         return None
 
     def verify(self, run_id: str) -> list[ShardProblem]:
-        """Full check of every committed shard: size, sha256, and a readable footer."""
+        """Full check of a run; every inconsistency is returned (and kept in `self.problems`).
+
+        Finds damaged or torn commit-log lines, logged shards that are missing,
+        of the wrong size or sha256, or unreadable, shards under the glob
+        (`shards/*.parquet`) that no record commits, and group ids stored in
+        more than one committed shard. `store_repair.repair` fixes what can be fixed.
+        """
         _VERIFIED.clear()
+        self._forget_log(run_id)
+        log = self._read_log(run_id)
+        problems = [
+            ShardProblem(
+                f"{self.commit_log(run_id)}:{line}",
+                f"damaged commit record: {why}" + (" (a whole record after the fragment was kept)" if salvaged else ""),
+                "bad-line",
+            )
+            for line, why, salvaged in log.bad
+        ]
+        if log.torn:
+            problems.append(ShardProblem(
+                f"{self.commit_log(run_id)}:{log.lines + 1}", f"torn last line of {log.torn} bytes (an interrupted append)", "torn-line"
+            ))
         paths = self.shard_paths(run_id)
-        problems = list(self.problems)
+        problems += self.problems
+        seen: dict[str, str] = {}
         for path in paths:
             try:
-                pq.ParquetFile(path).metadata
+                ids = pq.read_table(path, columns=["group_id"]).column(0).to_pylist()
             except (OSError, pa.ArrowException) as error:
-                problems.append(ShardProblem(str(path), f"unreadable Parquet: {error}"))
+                problems.append(ShardProblem(str(path), f"unreadable Parquet: {error}", "unreadable"))
+                continue
+            again: dict[str, int] = {}
+            for group_id in ids:
+                if group_id in seen:
+                    again[seen[group_id]] = again.get(seen[group_id], 0) + 1
+                else:
+                    seen[group_id] = path.name
+            for other, count in again.items():
+                problems.append(ShardProblem(str(path), f"{count} group ids are also stored in {other} (duplicates)", "duplicate"))
+        logged = set(log.records)
+        shards = self.shards_dir(run_id)
+        if shards.is_dir():
+            for path in sorted(shards.glob("*.parquet")):
+                if path.name not in logged:
+                    problems.append(ShardProblem(str(path), "not in the commit log, yet seen by glob readers (unlogged)", "unlogged"))
+        for problem in problems:
+            if problem not in self.problems:
+                logger.error("%s: %s", problem.path, problem.reason)
         self.problems = problems
         return problems
 

@@ -123,6 +123,8 @@ def main(ref: str, argv: list[str] | None = None) -> int:
         print(f"error: {stopped}", file=sys.stderr)
         return stopped.code
     except Exception as error:  # the cause is the last line printed, after Prefect's own logs
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        from factory.prefect_outage import describe_prefect_outage
+
+        print(f"error: {describe_prefect_outage(error) or f'{type(error).__name__}: {error}'}", file=sys.stderr)
         return 1
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -37,6 +38,14 @@ from factory.serve.wire import WireError, decode_groups
 logger = logging.getLogger(__name__)
 
 _GROUP_FIELDS = frozenset(ScoredGroup.model_fields)
+STORAGE_ERRORS = (OSError, RuntimeError, sqlite3.Error)
+"""Failures of the store or the state DB (a full disk, I/O errors): answered 503 with Retry-After, never 500."""
+
+
+def unavailable(detail: str, retry_after_s: int = 1) -> Response:
+    """A 503 that keeps the connection usable and tells the client when to retry."""
+    return Response(orjson.dumps({"detail": detail}), status_code=503, media_type="application/json",
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 class Registration(BaseModel):
@@ -233,6 +242,9 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
         except PayloadError as error:
             logger.error("cannot serve a batch: %s", error)
             return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json")
+        except STORAGE_ERRORS as error:
+            logger.error("cannot record a batch as served: %s", error)
+            return unavailable(f"batch not served (nothing was taken), retry later: {error}")
         if arrow and body.arrow is not None:  # without rows (no batch, not registered) the body is JSON
             return Response(body.arrow, media_type=ARROW_STREAM, headers={"vary": "Accept, Accept-Encoding"})
         return respond(request, raw=body.raw, gz=body.gz)
@@ -285,12 +297,14 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
             return _unprocessable(error.detail)
         except ValueError as error:
             return _unprocessable([{"type": "value_error", "loc": ["body"], "msg": str(error)}])
-        except (OSError, RuntimeError) as error:
+        except STORAGE_ERRORS as error:
             logger.error("posted groups could not be committed: %s", error)
-            return Response(
-                orjson.dumps({"detail": f"groups not stored, retry later: {error}"}), status_code=503,
-                media_type="application/json", headers={"Retry-After": "1"},
-            )
+            return unavailable(f"groups not stored, retry later (a retry with the same group_id or Idempotency-Key "
+                               f"is never stored twice): {error}")
+        except Exception as error:  # noqa: BLE001 - answer (and keep the connection) rather than let the server reset it
+            logger.exception("posted groups could not be committed")
+            return Response(orjson.dumps({"detail": f"internal error, groups not stored: {error}"}), status_code=500,
+                            media_type="application/json")
         return count
 
     post_one, post_many = functools.partial(ingest, many=False), functools.partial(ingest, many=True)

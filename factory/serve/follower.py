@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.store import ShardStore
+from factory.store import ShardStore, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,19 @@ def scan_new_shards(
     found = []
     for run_id in runs:
         shards = store.shards_dir(run_id)
+        finished = False
         for name, record in store.committed(run_id).items():
             if (run_id, name) in known:
                 continue
             path = shards / name
+            if not finished and not path.exists():
+                # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
+                # crash (finish it). Skipping it would let a retried post be stored a second time.
+                finished = True
+                try:
+                    store.finish_commits(run_id)
+                except (OSError, StoreError) as error:
+                    logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
             try:
                 size = path.stat().st_size
                 if size != record.bytes:

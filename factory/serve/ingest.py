@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from factory.store import CommitRecord, ShardStore
+from factory.store import CommitRecord, ShardStore, StoreError, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,10 @@ class GroupCommitter:
                     if asyncio.iscoroutine(result):
                         await result
                 except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
-                    logger.exception("commit of %d posted groups failed", groups.num_rows)
+                    if isinstance(error, StoreError):  # a full or failing disk: the message names the path
+                        logger.error("commit of %d posted groups failed: %s", groups.num_rows, error)
+                    else:
+                        logger.exception("commit of %d posted groups failed", groups.num_rows)
                     for item in take:
                         if not item.done.done():
                             item.done.set_exception(error)
@@ -213,9 +216,19 @@ class GroupCommitter:
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1
-            record = await asyncio.to_thread(
-                self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
-            )
+            name = shard_name(self.producer, chunk)
+            existed = name in self.store.committed(self.run_id)  # the log's new end only: a stat and a short read
+            try:
+                record = await asyncio.to_thread(
+                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
+                )
+            except Exception:
+                # The commit log is the truth: a commit whose record is in it is stored, whatever was raised after.
+                logged = await asyncio.to_thread(self.store.committed, self.run_id)
+                record = logged.get(name)
+                if record is None or existed or record.rows != groups.num_rows:
+                    raise
+                logger.warning("the commit of chunk %d raised after its record was durable; counted as committed", chunk)
             if not record.skipped:
                 self.commits += 1
                 self._since_trim += groups.nbytes

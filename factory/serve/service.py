@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sqlite3
 import time
 import uuid
 from collections import Counter, deque
@@ -81,6 +82,9 @@ class BatchService:
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
         self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._stored_ids: set[str] = set()
+        """Ids of posted groups in committed shards that the state DB has not noted yet (it failed, e.g. a full
+        disk): a retry of them is acknowledged without storing them again. The shard is the durable record."""
         self._replay: deque[tuple[int, list[tuple[int, int]]]] = deque()
         self._prefetched: tuple[list[Entry], BatchBody] | None = None
         self._wanted = (False, True)  # (arrow, compressed) of the last /batch: the format the next one is prefetched in
@@ -167,10 +171,17 @@ class BatchService:
         for shard in shards:
             if (shard.run_id, shard.shard) in self._known:
                 continue
+            ids: list[str] = []
             if shard.run_id == self.config.ingest_run:
-                # Committed by a service that died before it could note the ids.
-                self.state.add_group_ids(pq.read_table(shard.path, columns=["group_id"]).column(0).to_pylist())
-            source = self.state.add_source(shard.run_id, shard.shard, shard.rows)
+                # Committed while the state DB could not note it, or by a service that died before it could.
+                ids = pq.read_table(shard.path, columns=["group_id"]).column(0).to_pylist()
+                self._stored_ids.update(ids)
+            try:
+                source = self.state.add_source(shard.run_id, shard.shard, shard.rows, ids)
+            except sqlite3.Error as error:
+                logger.error("cannot index shard %s in the served state %s (%s); retrying at the next scan", shard.path, self.state.path, error)
+                continue
+            self._stored_ids.difference_update(ids)
             self.sources[source] = shard.path
             self._known.add((shard.run_id, shard.shard))
             self._enqueue(source, shard.index)
@@ -191,9 +202,21 @@ class BatchService:
         if (record.run_id, record.shard) in self._known:
             return
         columns = rows.select(["group_id", "group_size", "env", "env_id", "policy_version"]).to_pydict()
-        self.state.add_group_ids(columns["group_id"])
-        source = self.state.add_source(record.run_id, record.shard, record.rows)
-        self.sources[source] = self.store.shards_dir(record.run_id) / record.shard
+        ids = columns["group_id"]
+        self._stored_ids.update(ids)  # the commit is durable: from here on a retry of these ids stores nothing
+        try:
+            source = self.state.add_source(record.run_id, record.shard, record.rows, ids)
+        except sqlite3.Error as error:
+            # The groups are stored (the commit log is the record of it) and are acknowledged; the follower
+            # indexes the shard once the state DB can be written again.
+            logger.error("shard %s is committed but the served state %s could not index it (%s); it is queued at a later scan",
+                         record.shard, self.state.path, error)
+            return
+        self._stored_ids.difference_update(ids)
+        path = self.store.shards_dir(record.run_id) / record.shard
+        if not path.exists():  # committed, but its rename into place failed: finish it (reads fail until then)
+            self.store.finish_commits(record.run_id)
+        self.sources[source] = path
         self._known.add((record.run_id, record.shard))
         for row, (size, env, env_id, version) in enumerate(
             zip(columns["group_size"], columns["env"], columns["env_id"], columns["policy_version"])
@@ -270,7 +293,10 @@ class BatchService:
         await self._submit(future, mine, build, claims, arrival, in_thread=not prebuilt)
         if unaligned:
             self.unaligned.update(unaligned)
-            self.state.put(unaligned=dict(self.unaligned))
+            try:
+                self.state.put(unaligned=dict(self.unaligned))
+            except sqlite3.Error as error:  # the groups are stored: a failed counter must not fail the post
+                logger.warning("cannot save the unaligned-field counts to %s: %s", self.state.path, error)
         return len(keep)
 
     def _claim(self, ids: list[str | None]) -> tuple[list[Any], asyncio.Future[None], set[str]]:
@@ -278,6 +304,8 @@ class BatchService:
         future of the in-flight commit that stores it; plus this request's future and claimed ids."""
         named = [i for i in ids if i is not None]
         known = self.state.known_group_ids(named) if named else set()
+        if self._stored_ids:
+            known.update(i for i in named if i in self._stored_ids)
         claims: list[asyncio.Future[None] | bool | None] = []
         mine: set[str] = set()
         for group_id in ids:
@@ -512,13 +540,14 @@ class BatchService:
             if self.registration is None:
                 return BatchBody(NOT_REGISTERED)
             if not self.started:
-                self.started = True
                 self.state.put(started=True)
+                self.started = True
             if self._replay:
-                step, keys = self._replay.popleft()
+                step, keys = self._replay[0]
                 body = await asyncio.to_thread(self._read, keys, arrow, accept_gzip)
+                self.state.put(step=step + 1)
+                self._replay.popleft()
                 self.step = step + 1
-                self.state.put(step=self.step)
                 return body
             if self._prefetched is not None:
                 entries, body = self._prefetched
@@ -541,7 +570,12 @@ class BatchService:
                 except Exception:
                     self.queue.release(entries)
                     raise
-            self.state.record_taken([(e.source, e.row) for e in entries], self.step, kv={"step": self.step + 1})
+            try:
+                self.state.record_taken([(e.source, e.row) for e in entries], self.step, kv={"step": self.step + 1})
+            except BaseException:
+                # Not recorded as served, so not served: the groups go back to the queue for the next /batch.
+                self.queue.release(entries)
+                raise
             self.queue.remove(entries)
             self.step += 1
             size = len(body.arrow if arrow else body.raw)

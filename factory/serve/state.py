@@ -80,10 +80,16 @@ class ServedState:
         """(source_id, run_id, shard, rows) in arrival order."""
         return list(self.db.execute("SELECT source_id, run_id, shard, rows FROM sources ORDER BY source_id"))
 
-    def add_source(self, run_id: str, shard: str, rows: int) -> int:
+    def add_source(self, run_id: str, shard: str, rows: int, group_ids: Iterable[str] = ()) -> int:
+        """Index a committed shard (and note its posted group ids) in one transaction; returns its source id.
+
+        Idempotent: a shard indexed before (by a transaction whose success was not reported) keeps its id.
+        """
         with self.db:
-            cursor = self.db.execute("INSERT INTO sources (run_id, shard, rows) VALUES (?, ?, ?)", (run_id, shard, rows))
-        return int(cursor.lastrowid)
+            self.db.executemany("INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for g in group_ids])
+            self.db.execute("INSERT OR IGNORE INTO sources (run_id, shard, rows) VALUES (?, ?, ?)", (run_id, shard, rows))
+            (source,) = self.db.execute("SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()
+        return int(source)
 
     # ---- posted group ids (a client retrying after a crash must not add a group twice) ----
     def known_group_ids(self, group_ids: list[str]) -> set[str]:

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from factory.store import CommitRecord, ShardStore
+from factory.store import CommitRecord, ShardStore, parse_commit_line
 from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
 from factory.viewer.query import Filters
 
@@ -189,7 +189,7 @@ class RunIndex:
         self._log_key = (stat.st_ino, self._log_offset) if self._log_offset == stat.st_size else None
         for line in complete.splitlines():
             try:
-                record = CommitRecord(**json.loads(line))
+                record = parse_commit_line(line)
             except (ValueError, TypeError) as error:
                 logger.error("%s: unreadable commit record left out: %s", log, error)
                 continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from factory.store import ShardStore
 from factory.synthetic import synthetic_groups
 
@@ -14,12 +16,13 @@ def test_committed_sees_other_writers_appends_and_torn_tails(tmp_path):
     writer.commit("run", "a", 1, groups)
     assert len(reader.committed("run")) == 2
     log = reader.commit_log("run")
-    line = log.read_text().splitlines()[-1]
-    with open(log, "a") as handle:
-        handle.write(line.replace('"chunk": 1', '"chunk": 2').replace("00000001", "00000002")[:40])  # torn
+    record = reader.committed("run")["a-00000001.parquet"]
+    line = dataclasses.replace(record, chunk=2, shard="a-00000002.parquet").to_line()
+    with open(log, "ab") as handle:
+        handle.write(line[:40])  # torn
     assert len(reader.committed("run")) == 2
-    with open(log, "a") as handle:
-        handle.write(line.replace('"chunk": 1', '"chunk": 2').replace("00000001", "00000002")[40:] + "\n")
+    with open(log, "ab") as handle:
+        handle.write(line[40:])
     assert len(reader.committed("run")) == 3
     text = log.read_text().splitlines()
     log.write_text(text[0] + "\n")  # a shorter log (rewritten): parsed again from the start
