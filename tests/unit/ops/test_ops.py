@@ -121,7 +121,7 @@ def test_a_failed_chunk_raises_the_upstream_cause_not_unfinished_run():
 
     cause = RuntimeError("12 of 12 items failed to generate; check that openai.base_url http://x is up")
     ops = RunOps.__new__(RunOps)
-    ops._upstream = {}
+    ops._upstream, ops.runner = {}, None  # a thread-pool run: no runner that can name a worker fault
     generated, scored = Future(Failed(), cause), Future(Pending(), UnfinishedRun("Run is in PENDING state"))
     grouped = Future(Pending(), UnfinishedRun("Run is in PENDING state"))
     ops.submitted(grouped, generated, scored)
