@@ -172,7 +172,7 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
            "model_name": "stand-in", "env_name": "doubling", "target_groups": target, "max_runtime_s": 80,
            "max_restarts": 2, "poll_s": 0.3, "stop_grace_s": 5, "log_path": str(tmp_path / "env.log")}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = atropos_env_flow(env=env)
+    result = atropos_env_flow(env=env, config_path=str(REPO / "deployments" / "atropos_env.yaml"))
     log = (tmp_path / "env.log").read_text(errors="replace")[-3000:]
     assert result["stopped_by"] == "target", log
     assert result["restarts"] == 1, log  # the first process died and Prefect's retry started a second
@@ -205,3 +205,15 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
     progress, summary = asyncio.run(artifacts())
     assert progress == 100.0
     assert f"{result['groups']} groups ingested" in summary
+
+
+def test_atropos_env_deployment_registers_with_its_module_entrypoint(prefect_server):
+    environ = {**os.environ, **prefect_server}
+    deployed = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--name", "atropos-env"],
+                              cwd=REPO, env=environ, capture_output=True, text=True, timeout=120)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    shown = subprocess.run([sys.executable, "-m", "prefect", "deployment", "inspect", "atropos-env/atropos-env"],
+                           cwd=REPO, env=environ, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "flows.atropos_env:atropos_env_flow" in shown.stdout
+    assert "deployments/atropos_env.yaml" in shown.stdout
