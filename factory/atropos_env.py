@@ -39,16 +39,18 @@ class AtroposEnvConfig(FactoryConfig):
     python: str | None = Field(None, description="Python of the env's venv (with atroposlib); default $ATROPOS_PYTHON, "
                                                  "else `python` on PATH.")
     api_url: str = Field("http://127.0.0.1:8000", description="run-api base URL the env posts its groups to.")
-    inference_url: str | None = Field(None, description="OpenAI-compatible base URL (…/v1) passed as --openai.base_url; "
-                                                        "None leaves the env's own default.")
+    inference_url: str | None = Field(None, description="OpenAI-compatible base URL (…/v1) passed as "
+                                                        "--openai.base_url; None leaves the env's own default.")
     model_name: str | None = Field(None, description="Passed as --openai.model_name when set.")
     env_name: str = Field("atropos-env", description="Passed as --env.wandb_name: run-api stores and counts the groups "
                                                      "under this name.")
     args: list[str] = Field(default_factory=list, description="Extra CLI arguments for the env, e.g. "
                                                               "['--env.group_size', '8'].")
-    target_groups: int | None = Field(None, ge=1, description="Stop once this many groups from this env are in the store.")
+    target_groups: int | None = Field(None, ge=1, description="Stop once this many groups from this env are in the "
+                                                              "store.")
     max_runtime_s: float | None = Field(None, gt=0, description="Stop after this many seconds (over all restarts).")
-    max_restarts: int = Field(3, ge=0, description="How often a process that died is started again before the run fails.")
+    max_restarts: int = Field(3, ge=0, description="How often a process that died is started again before the run "
+                                                   "fails.")
     register_trainer: bool = Field(True, description="If no trainer has registered with run-api yet, register one "
                                                      "(batch_size, max_token_len) so the env may start; a real "
                                                      "trainer registering later takes over.")

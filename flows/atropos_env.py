@@ -21,7 +21,8 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from factory.atropos_env import AtroposEnvConfig, AtroposEnvJob, EnvProgress, ensure_trainer, ingested_groups, supervise_env
+from factory.atropos_env import (AtroposEnvConfig, AtroposEnvJob, EnvProgress, ensure_trainer, ingested_groups,
+                                 supervise_env)
 from factory.config import build_config, parse_cli_overrides, split_config_path
 
 

@@ -35,6 +35,7 @@ import sys
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 
 CRASH_MARKER = {crash_marker!r}
+WHERE = {where!r}
 
 
 class DoublingEnv(BaseEnv):
@@ -49,6 +50,8 @@ class DoublingEnv(BaseEnv):
                                      health_check=False)]
 
     async def setup(self):
+        with open(WHERE, "a") as where:  # which SLURM job (if any) this process runs in
+            where.write(os.environ.get("SLURM_JOB_ID", "none") + "\\n")
         self.life = 0 if not os.path.exists(CRASH_MARKER) else 1
         self.next_item = 0
         self.posted = 0
@@ -166,7 +169,7 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
     api_url, store = run_api
     script = tmp_path / "doubling_env.py"
     script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
-                                        crash_marker=str(tmp_path / "crashed")))
+                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
     target = 5
     env = {"script": str(script), "python": str(atropos_python), "api_url": api_url, "inference_url": stand_in,
            "model_name": "stand-in", "env_name": "doubling", "target_groups": target, "max_runtime_s": 80,
@@ -205,6 +208,31 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
     progress, summary = asyncio.run(artifacts())
     assert progress == 100.0
     assert f"{result['groups']} groups ingested" in summary
+    assert (tmp_path / "where").read_text().split() == ["none", "none"]  # two lives, beside the flow
+
+
+@pytest.mark.slurm
+def test_atropos_env_process_runs_in_a_slurm_job(slurm, prefect_server, atropos_python, stand_in, run_api,
+                                                  tmp_path):
+    from blocks.slurm import SlurmClusterBlock
+    from flows.atropos_env import atropos_env_flow
+
+    api_url, store = run_api
+    SlurmClusterBlock(job_name=f"factory-test-atropos-{os.getpid()}", cores=1, memory="2GB", walltime="00:10:00",
+                      log_dir=str(tmp_path / "logs"), environment={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                      min_jobs=1, max_jobs=1).save("test-atropos-env", overwrite=True)
+    script = tmp_path / "doubling_env.py"
+    script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
+                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
+    env = {"script": str(script), "python": str(atropos_python), "api_url": api_url, "inference_url": stand_in,
+           "model_name": "stand-in", "env_name": "doubling", "target_groups": 4, "max_runtime_s": 80,
+           "max_restarts": 2, "poll_s": 0.3, "stop_grace_s": 5, "log_path": str(tmp_path / "env.log"),
+           "args": ["--env.max_batches_offpolicy", "1000"]}
+    result = atropos_env_flow(env=env, task_runner_block="factory-slurm-cluster/test-atropos-env")
+    assert result["stopped_by"] == "target", (tmp_path / "env.log").read_text(errors="replace")[-3000:]
+    assert result["restarts"] == 1
+    jobs = (tmp_path / "where").read_text().split()
+    assert len(jobs) == 2 and all(job.isdigit() for job in jobs), jobs  # both lives ran inside a SLURM job
 
 
 def test_atropos_env_deployment_registers_with_its_module_entrypoint(prefect_server):
