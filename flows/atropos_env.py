@@ -89,7 +89,9 @@ def atropos_env_flow(env: dict[str, Any] | None = None, config_path: str | None 
     else:
         result = supervise_env_task.with_options(retries=config.max_restarts)(config, baseline, deadline, artifact_id)
     result["groups"] = ingested_groups(config.api_url, config.env_name) - baseline
-    update_progress_artifact(artifact_id, 100.0, description=f"{result['groups']} groups ingested from "
+    done = 100.0 if result["stopped_by"] != "deadline" or not config.target_groups else _percent(
+        EnvProgress(groups=result["groups"], seconds=result["seconds"]), config)
+    update_progress_artifact(artifact_id, done, description=f"{result['groups']} groups ingested from "
                                                              f"{config.env_name} (stopped by {result['stopped_by']})")
     create_markdown_artifact(
         key="atropos-env-summary",
