@@ -105,6 +105,9 @@ class BatchService:
         self.skipped_stale = self.state.count_taken(SKIPPED_STALE)
         self.skipped_oversize = self.state.count_taken(SKIPPED_OVERSIZE)
         self.unaligned: Counter[str] = Counter(self.state.get("unaligned", {}))
+        # Posted groups committed to the store, by env name; durable, so a supervisor polling /status sees progress
+        # across run-api restarts (flows/atropos_env.py). Not cleared by /reset_data: the groups stay in the store.
+        self.ingested: Counter[str] = Counter(self.state.get("ingested", {}))
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
@@ -223,6 +226,8 @@ class BatchService:
         ):
             key = ("id", env_id) if env_id is not None else ("name", env)
             self.queue.add(source, row, size, self.queue.lane(key), version)
+        self.ingested.update(columns["env"])
+        self.state.put(ingested=dict(self.ingested))
         self._kick_prefetch()
 
     def _env_name(self, env_id: int | None) -> str:
@@ -428,6 +433,8 @@ class BatchService:
             "skipped_oversize": self.skipped_oversize,
             # Groups stored with a field whose lengths don't line up with tokens (Atropos stores them as sent).
             "unaligned": {name: self.unaligned.get(name, 0) for name in SEQUENCE_FIELDS},
+            # Posted groups committed to the store so far, by env name (the env's desired_name).
+            "ingested": dict(self.ingested),
             **({"ingest": self.ingest_budget.status()} if self.ingest_budget is not None else {}),
         }
 

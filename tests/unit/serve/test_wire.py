@@ -114,6 +114,7 @@ def test_service_stores_identical_groups_and_dedups_only_by_identity(tmp_path):
             unaligned = decode_groups(orjson.dumps(group(inference_logprobs=[[1.0]])), many=False)
             await service.ingest_wire(unaligned)
             assert service.status()["unaligned"]["inference_logprobs"] == 1
+            assert sum(service.status()["ingested"].values()) == 8  # committed posted groups, by env name
         finally:
             await service.stop()
         restarted = BatchService(ServeConfig(store_root=str(tmp_path)))
@@ -121,6 +122,7 @@ def test_service_stores_identical_groups_and_dedups_only_by_identity(tmp_path):
         try:
             assert restarted.status()["queue_size"] == 8
             assert restarted.status()["unaligned"]["inference_logprobs"] == 1
+            assert sum(restarted.status()["ingested"].values()) == 8  # durable (flows/atropos_env.py polls it)
             assert await restarted.ingest_wire(decode_groups(orjson.dumps(group(group_id="g7")), many=False)) == 0
         finally:
             await restarted.stop()
