@@ -52,15 +52,19 @@ def _free_port() -> int:
     return free_port()
 
 
-def _stop(process: subprocess.Popen | None, sig: int = signal.SIGINT, timeout: float = 20) -> None:
+def _stop(process: subprocess.Popen | None, grace_s: float = 5.0) -> None:
+    """SIGINT (a graceful stop), a second SIGINT after `grace_s` (abandon work in flight: training is over), kill."""
     if process is None or process.poll() is not None:
         return
-    process.send_signal(sig)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    for _ in range(2):
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    process.kill()
+    process.wait()
 
 
 def trainer_dir_of(out: Path) -> Path:

@@ -92,3 +92,17 @@ def test_eval_sets_are_the_same_for_every_seed() -> None:
     a, b = build_plan(RLLoopConfig(**SMALL, seed=0)), build_plan(RLLoopConfig(**SMALL, seed=3))
     assert [problem_id(c) for c in a.levels[0].evalset.cases] == [problem_id(c) for c in b.levels[0].evalset.cases]
     assert ContentSplit().side(a.levels[0].evalset.cases[0]) == "eval"
+
+
+def test_the_rl_loop_deployment_builds_the_flow_config() -> None:
+    import yaml
+
+    from factory.config import build_config
+    from flows.rl_loop import rl_loop
+
+    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    entry = deployments["rl-loop"]
+    assert entry["entrypoint"] == "flows/rl_loop.py:rl_loop" and rl_loop.name == "rl-loop"
+    params = entry["parameters"]
+    cfg = build_config(RLLoopConfig, yaml_path=ROOT / params["config_path"], values=params["loop"])
+    assert cfg.total_steps is None and cfg.budget_s == 600 and cfg.max_policy_lag == 2
