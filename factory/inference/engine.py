@@ -207,9 +207,7 @@ class BatchingEngine:
                 return
             kind, payload, future, loop = first
             if kind == "update":
-                began = time.perf_counter()
-                self._finish(loop, future, lambda: self.engine.load(*payload))
-                self.update_s += time.perf_counter() - began
+                self._finish(loop, future, lambda payload=payload: self._timed_load(payload))
                 continue
             batch = [first]
             rows = len(payload)
@@ -241,6 +239,13 @@ class BatchingEngine:
             for _, reqs, fut, lp in batch:
                 lp.call_soon_threadsafe(_set_result, fut, results[start : start + len(reqs)])
                 start += len(reqs)
+
+    def _timed_load(self, payload: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return self.engine.load(*payload)
+        finally:
+            self.update_s += time.perf_counter() - began
 
     @staticmethod
     def _finish(loop: asyncio.AbstractEventLoop, future: asyncio.Future, work: Any) -> None:

@@ -106,3 +106,21 @@ def test_the_rl_loop_deployment_builds_the_flow_config() -> None:
     params = entry["parameters"]
     cfg = build_config(RLLoopConfig, yaml_path=ROOT / params["config_path"], values=params["loop"])
     assert cfg.total_steps is None and cfg.budget_s == 600 and cfg.max_policy_lag == 2
+
+
+def test_the_batching_engine_counts_busy_and_weight_load_seconds(tmp_path: Path) -> None:
+    import asyncio
+
+    from factory.inference.engine import BatchingEngine, GenRequest, PolicyEngine
+    from factory.inference.tiny_model import make_tiny_policy
+
+    policy = make_tiny_policy(tmp_path / "policy")
+    batching = BatchingEngine(PolicyEngine(policy))
+    try:
+        assert batching.busy_s == 0.0 and batching.update_s == 0.0
+        asyncio.run(batching.generate([GenRequest([5, 6, 7], max_new_tokens=8, seed=i) for i in range(4)]))
+        assert batching.busy_s > 0.0
+        asyncio.run(batching.update_weights(str(policy), 1))
+        assert batching.update_s > 0.0
+    finally:
+        batching.close()
