@@ -32,7 +32,8 @@ def record(run_dir: Path, command: str, out: Path = RESULTS) -> list[dict]:
               "busy_share": report.get("busy_share"), "policy_lag_mean": report.get("policy_lag_mean"),
               "policy_lag_max": report.get("policy_lag_max"), "overlap_planned": report["overlap_planned"],
               "overlap_trained": report["overlap_trained"], "recorded": time.time(), **machine()}
-    rows = [{**common, "metric": "headline accuracy", **row} for row in report["headline"]]
+    rows = [{**common, "metric": "headline accuracy", **{k: v for k, v in row.items() if k != "families"},
+             "headline_families": row["families"]} for row in report["headline"]]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     fam = {(r["phase"], r["level"], r["temperature"], r["family"]): r for r in evals if r["family"] != "headline"}
     for (phase, level, temperature, family), row in sorted(fam.items()):
