@@ -13,10 +13,11 @@ answer, `incorrect_reward + format_bonus` for a formatted but wrong one,
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 from pydantic import Field, field_validator
 
-from environments.base import BaseEnv, EnvConfig, Item
+from environments.base import EVAL_INDEX_OFFSET, BaseEnv, EnvConfig, Item
 from environments.bootcamp_tasks import (
     FAMILIES,
     MAX_DIFFICULTY,
@@ -26,6 +27,7 @@ from environments.bootcamp_tasks import (
     RewardConfig,
     get_family,
 )
+from environments.bootcamp_tasks.split import ContentSplit
 
 
 class InternBootcampConfig(EnvConfig):
@@ -37,6 +39,11 @@ class InternBootcampConfig(EnvConfig):
     correct_reward: float = Field(1.0, description="Reward for a correct answer.")
     incorrect_reward: float = Field(-0.5, description="Reward for a wrong or missing answer.")
     format_bonus: float = Field(0.2, ge=0.0, lt=1.0, description="Added to incorrect_reward when the answer is tagged but wrong.")
+    split: Literal["all", "train", "eval"] = Field(
+        "all", description="Which side of the content split items come from: 'train' never yields a problem (same "
+                           "normalized prompt or parameters) that 'eval' can; 'all' ignores the split.")
+    eval_share: float = Field(0.25, gt=0.0, lt=1.0, description="Share of each family's problems on the eval side.")
+    split_salt: str = Field("v1", description="Salt of the split's hash; another salt is another split.")
 
     @field_validator("task_name")
     @classmethod
@@ -71,6 +78,7 @@ class InternBootcampEnv(BaseEnv):
         super().__init__(config)
         weights = {self.config.task_name: 1.0} if self.config.task_name != "RandomTask" else self.config.weights
         self.tasks = RandomTask(weights, self.config.difficulties)
+        self.content_split = ContentSplit(self.config.eval_share, self.config.split_salt)
         self.rewards = RewardConfig(
             correct_reward=self.config.correct_reward,
             incorrect_reward=self.config.incorrect_reward,
@@ -78,8 +86,18 @@ class InternBootcampEnv(BaseEnv):
         )
 
     def get_item(self, index: int) -> Item:
-        case = self.tasks.generate(random.Random(f"{self.config.seed}:{index}"))
-        return self._item(index, case)
+        return self._drawn(index, self.config.split)
+
+    def get_eval_item(self, index: int) -> Item:
+        """With a split, eval items come from the eval side only (with 'all', from a far index range)."""
+        return self._drawn(EVAL_INDEX_OFFSET + index, "all" if self.config.split == "all" else "eval")
+
+    def _drawn(self, index: int, side: str) -> Item:
+        rng = random.Random(f"{self.config.seed}:{index}")
+        if side == "all":
+            return self._item(index, self.tasks.generate(rng))
+        family = rng.choices(self.tasks.names, weights=self.tasks.weights)[0]  # drawn as RandomTask.generate does
+        return self._item(index, self.content_split.draw(rng, family, rng.choice(self.tasks.difficulties), side))
 
     def _item(self, index: int, case: Case) -> Item:
         info = {"index": index, "family": case.family, "difficulty": case.difficulty}
@@ -103,7 +121,9 @@ class InternBootcampEnv(BaseEnv):
         family = rng.choices(names, weights=[float(weights.get(n, w)) for n, w in zip(names, self.tasks.weights)])[0]
         static_level = rng.choice(self.tasks.difficulties)  # drawn as get_item does, so equal plans give equal items
         level = int((plan.get("levels") or {}).get(family, static_level))
-        return self._item(index, get_family(family).generate(rng, level))
+        if self.config.split == "all":
+            return self._item(index, get_family(family).generate(rng, level))
+        return self._item(index, self.content_split.draw(rng, family, level, self.config.split))
 
     def solved(self, item: Item, score: float) -> bool:
         return score >= self.config.correct_reward

@@ -1,18 +1,24 @@
-"""The whole RL loop in one command, offline on a laptop CPU:
+"""`rl-loop`: the whole RL loop as one Prefect flow, offline on a laptop CPU.
 
-    python -m flows.rl_loop                       # defaults below (deployments/rl_loop.yaml), 10-minute budget
-    python -m flows.rl_loop --budget_s 300 --eval_items 400 --out_dir runs/rl-short
+    python -m flows.rl_loop                                   # deployments/rl_loop.yaml: 600 s of training, seed 0
+    python -m flows.rl_loop --budget_s 300 --seed 1 --out_dir runs/rl-short
+    python -m flows.rl_loop --total_steps 50                  # stop after exactly 50 steps instead
+    prefect deployment run rl-loop/rl-loop                    # the same flow from the UI / a work pool
 
-1. held-out eval of the starting policy (in-process, the server's engine, fixed seeds)
-2. local Prefect stack (`factory-local`'s LocalPrefect, in <out_dir>/prefect)
-3. CPU policy server with the starter policy (version 0)
-4. batching API following the datagen run (`--max_policy_lag` bounds staleness)
-5. InternBootcamp datagen in `serve` mode (a Prefect flow run, backpressure against the API)
-6. the `train-grpo` flow: /register, /batch, step, checkpoint + push every K steps -> policy version = step
-7. stop after `budget_s` of training (or `total_steps`), stop everything, eval the final checkpoint the same way
-8. print the before/after table (n, standard error), where the curve is, and where the time went
+Stopping rule: the run trains for `budget_s` seconds of wall clock (the trainer stops at the first step
+boundary after it) unless `total_steps` is given, in which case it trains exactly that many steps.
 
-Everything it made stays in `out_dir` (report.json, report.md, logs, store, checkpoints, reward_curve.png).
+1. checks (before anything starts): starter policy present, budget long enough for one step, families known;
+   eval sets of distinct eval-side problems (content split: environments/bootcamp_tasks/split.py) at the
+   trained level and one above; the planned training items' overlap with them printed and required to be 0
+2. eval of the starting policy on those sets: greedy and temperature 1, n and 95% interval
+3. CPU policy server (version 0), batching API (`max_policy_lag` bounds staleness), InternBootcamp datagen in
+   `serve` mode on the train side only, the `train-grpo` flow (checkpoint + push every K steps)
+4. stop everything, count how many trained problems are in the eval sets (0), eval the final checkpoint again
+5. report: report.json / report.md / eval.jsonl / report.png in `out_dir`, a markdown artifact on the flow run
+
+With no Prefect server configured (`PREFECT_API_URL` unset), `main` starts a local one in `<out_dir>/prefect`
+for the length of the run, so this flow and the datagen and trainer flows it starts show in one UI.
 """
 
 from __future__ import annotations
@@ -27,38 +33,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+import httpx
+from prefect import flow, get_run_logger
+from pydantic import ValidationError
 
-from factory.config import FactoryConfig, build_config, split_config_path
+from factory.config import build_config, split_config_path
+from factory.train.rl_plan import LoopInputError, RLLoopConfig, RLPlan, build_plan, check_inputs, check_plan, train_env
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class RLLoopConfig(FactoryConfig):
-    """The loop's knobs (flat keys: `--budget_s 300`). Defaults are the measured default config."""
-
-    out_dir: str = Field("runs/rl-loop", description="Everything the loop makes goes here (wiped at start).")
-    policy: str = Field("models/starter-policy", description="Starting policy directory.")
-    budget_s: float = Field(600.0, gt=0, description="Wall-clock seconds of training (the trainer stops after a checkpoint).")
-    total_steps: int = Field(400, ge=1, description="Most trainer steps.")
-    families: list[str] = Field(["gcd", "sorting", "string_transform", "modulo"],
-                                description="InternBootcamp families, equal weights (the mix trained and evaluated).")
-    difficulties: list[int] = Field([1], description="Difficulty levels.")
-    group_size: int = Field(8, ge=2, description="Responses per problem.")
-    batch_size: int = Field(64, ge=1, description="Sequences per trainer step.")
-    lr: float = Field(3e-4, gt=0, description="Trainer learning rate.")
-    warmup_steps: int = Field(10, ge=0, description="Trainer linear warmup steps.")
-    checkpoint_every: int = Field(2, ge=1, description="Checkpoint + weight push every K steps.")
-    max_policy_lag: int = Field(4, ge=0, description="Batching API skips groups more than this many versions old.")
-    max_batches_offpolicy: int = Field(2, ge=0, description="Datagen pauses while this many batches wait.")
-    chunk_items: int = Field(8, ge=1, description="Problems per datagen chunk (one shard).")
-    datagen_items: int = Field(20000, ge=1, description="Problems datagen may make (it is stopped when training ends; "
-                                                        "the flow lists its chunks at start, so keep this modest).")
-    eval_items: int = Field(600, ge=1, description="Held-out eval problems (one sample each, temperature 1).")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature for datagen and eval.")
-    max_tokens: int = Field(24, ge=1, description="Most new tokens per answer.")
-    train_config: str = Field("deployments/train_grpo.yaml", description="Trainer YAML the loop's keys override.")
-    env_config: str = Field("deployments/intern_bootcamp.yaml", description="Datagen YAML the loop's keys override.")
+RUN_ID = "rl"
+EVAL_TEMPERATURES = (0.0, 1.0)
+__all__ = ["RLLoopConfig", "rl_loop", "run_loop", "main"]
 
 
 def _free_port() -> int:
@@ -67,88 +52,171 @@ def _free_port() -> int:
     return free_port()
 
 
-def _env_for_eval(cfg: RLLoopConfig):
-    from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
-
-    return InternBootcampEnv(InternBootcampConfig(weights={f: 1.0 for f in cfg.families}, difficulties=cfg.difficulties,
-                                                  tokenizer_name=cfg.policy))
-
-
-def _stop(process: subprocess.Popen | None, sig: int = signal.SIGINT, timeout: float = 20) -> None:
+def _stop(process: subprocess.Popen | None, grace_s: float = 5.0) -> None:
+    """SIGINT (a graceful stop), a second SIGINT after `grace_s` (abandon work in flight: training is over), kill."""
     if process is None or process.poll() is not None:
         return
-    process.send_signal(sig)
+    for _ in range(2):
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    process.kill()
+    process.wait()
+
+
+def trainer_dir_of(out: Path) -> Path:
+    """Checkpoints and metrics sit beside the run's shards, where `view-run --store <out>/store` shows the curve."""
+    return out / "store" / RUN_ID / "train"
+
+
+def _fresh(out: Path) -> None:
+    """Empty `out` but a local Prefect home in it (main may have started that server already)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for child in out.iterdir():
+        if child.name != "prefect":
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    (out / "logs").mkdir()
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def plan_summary(cfg: RLLoopConfig, plan: RLPlan) -> list[str]:
+    lines = [f"train/eval overlap: {plan.overlap} problems ({plan.planned_train_items} planned training items vs "
+             f"{sum(len(lv.evalset.cases) for lv in plan.levels)} eval problems; split by normalized prompt / "
+             f"problem parameters, eval share {cfg.eval_share})"]
+    for lv in plan.levels:
+        small = ", ".join(f"{f} ({n} distinct)" for f, n in lv.evalset.too_small.items())
+        lines.append(f"level {lv.level} ({lv.role}): headline {', '.join(lv.headline_families)}"
+                     + (f"; left out, space too small: {small}" if small else ""))
+    return lines
+
+
+def evaluate_all(model: str, cfg: RLLoopConfig, plan: RLPlan) -> dict[tuple[int, str, float], Any]:
+    """Greedy and temperature-1 accuracy on every eval level (one engine, fixed sampling seeds)."""
+    from factory.inference.engine import PolicyEngine
+    from factory.train.evaluate import evaluate_items
+
+    env = train_env(cfg, side="eval")
+    engine = PolicyEngine(model)
+    results = {}
+    for lv in plan.levels:
+        items = [env._item(i, case) for i, case in enumerate(lv.evalset.cases)]
+        for temperature in EVAL_TEMPERATURES:
+            results[(lv.level, lv.role, temperature)] = evaluate_items(
+                model, env, items, temperature=temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, engine=engine)
+    return results
+
+
+def _server_busy(base_url: str) -> tuple[float, float]:
     try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        info = httpx.get(f"{base_url.rstrip('/').removesuffix('/v1')}/get_model_info", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return (0.0, 0.0)
+    return float(info.get("busy_s", 0.0)), float(info.get("update_s", 0.0))
 
 
-def run_loop(cfg: RLLoopConfig) -> dict[str, Any]:
+def trained_overlap(out: Path, plan: RLPlan) -> tuple[int, int]:
+    """(eval problems among the problems datagen actually made, problems made), read from the run's shards."""
+    import pyarrow.parquet as pq
+
+    from environments.bootcamp_tasks import case_from_key
+    from environments.bootcamp_tasks.split import overlap
+
+    keys: set[str] = set()
+    for shard in (out / "store" / RUN_ID).rglob("*.parquet"):
+        keys.update(pq.read_table(shard, columns=["item_key"]).column("item_key").to_pylist())
+    made = [case_from_key(k) for k in keys]
+    return len(overlap(made, [c for lv in plan.levels for c in lv.evalset.cases])), len(made)
+
+
+def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
+    """The loop (see the module docstring); raises LoopInputError before starting anything on bad input."""
     from factory.inference.local_server import launch_local_server
-    from factory.local_prefect import LocalPrefect
     from factory.serve.client import ApiProcess
-    from factory.train.evaluate import heldout_accuracy
+    from factory.train import rl_report
+    from factory.train.trainer import latest_checkpoint
+
+    check_inputs(cfg, ROOT)
+    t0 = time.monotonic()
+    plan = build_plan(cfg)
+    for line in plan_summary(cfg, plan):
+        log(line)
+    check_plan(plan)
+    phases: dict[str, float] = {"plan_s": time.monotonic() - t0}
 
     out = Path(cfg.out_dir).absolute()
+    _fresh(out)
+    for lv in plan.levels:
+        lv.evalset.save(out / f"eval-set-level{lv.level}.jsonl")
     trainer_dir = trainer_dir_of(out)
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "logs").mkdir(parents=True)
-    policy = str(Path(cfg.policy).absolute())
-    phases: dict[str, float] = {}
-    t0 = time.monotonic()
-    env = _env_for_eval(cfg)
-    print(f"== before: held-out eval of {cfg.policy} on {cfg.eval_items} items ({', '.join(cfg.families)})", flush=True)
-    before = heldout_accuracy(policy, env, n=cfg.eval_items, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    phases["eval_before_s"] = before.seconds
-    print(f"   accuracy {before.accuracy:.3f} ± {before.stderr:.3f}", flush=True)
+    policy = str(Path(cfg.policy) if Path(cfg.policy).is_absolute() else (ROOT / cfg.policy).absolute())
+    headline = {lv.level: lv.headline_families for lv in plan.levels}
+
+    log(f"== before: eval of {cfg.policy} (greedy and temperature 1)")
+    began = time.monotonic()
+    before = rl_report.eval_rows("before", evaluate_all(policy, cfg, plan), headline)
+    rl_report.write_jsonl(out / "eval.jsonl", before)
+    phases["eval_before_s"] = time.monotonic() - began
+    for row in before:
+        if row["family"] == "headline":
+            log(f"   level {row['level']} T={row['temperature']:g}: {row['accuracy']:.3f} "
+                f"({row['correct']}/{row['n']}, 95% CI {row['ci95'][0]:.3f}-{row['ci95'][1]:.3f})")
 
     started = time.monotonic()
-    prefect = LocalPrefect(home=out / "prefect", port=_free_port())
     server = api = datagen = trainer = None
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    stop_rule = (f"{cfg.total_steps} steps" if cfg.total_steps is not None else f"{cfg.budget_s:g} s of training")
+    busy0 = busy1 = (0.0, 0.0)
     try:
-        print("== local Prefect stack, policy server, batching API", flush=True)
-        prefect.up(worker=False)
-        pf_env = {**base_env, **prefect.environ()}
+        log("== policy server, batching API")
         server = launch_local_server(policy, _free_port(), log_path=out / "logs" / "policy-server.log")
         api_port = _free_port()
         api = ApiProcess([sys.executable, "-m", "factory.serve.cli", "--port", str(api_port), "--host", "127.0.0.1",
-                          "--store_root", str(out / "store"), "--follow_runs", "[rl]", "--follow_interval_s", "0.2",
+                          "--store_root", str(out / "store"), "--follow_runs", f"[{RUN_ID}]", "--follow_interval_s", "0.2",
                           "--batch_metadata", "true", "--max_policy_lag", str(cfg.max_policy_lag),
                           "--log_level", "warning"], api_port, env=base_env,
                          log_path=str(out / "logs" / "api.log")).start(timeout=120)
         phases["startup_s"] = time.monotonic() - started
 
-        print(f"== datagen (serve mode) + train-grpo for {cfg.budget_s:.0f} s / {cfg.total_steps} steps", flush=True)
+        log(f"== datagen (serve mode, train side of the split) + train-grpo until {stop_rule}")
         weights = "{" + ", ".join(f"{f}: 1.0" for f in cfg.families) + "}"
         datagen_cmd = [
             sys.executable, str(ROOT / "environments" / "intern_bootcamp.py"), "serve", "--config", str(ROOT / cfg.env_config),
-            "--env.weights", weights, "--env.difficulties", json.dumps(cfg.difficulties),
+            "--env.weights", weights, "--env.difficulties", json.dumps(cfg.difficulties), "--env.split", "train",
+            "--env.eval_share", str(cfg.eval_share), "--env.seed", str(cfg.seed),
             "--env.group_size", str(cfg.group_size), "--env.total_items", str(cfg.datagen_items), "--env.tokenizer_name", policy,
             "--env.temperature", str(cfg.temperature), "--env.max_tokens", str(cfg.max_tokens),
-            "--openai.base_url", server.base_url, "--datagen.run_id", "rl", "--datagen.store_root", str(out / "store"),
+            "--openai.base_url", server.base_url, "--datagen.run_id", RUN_ID, "--datagen.store_root", str(out / "store"),
             "--datagen.chunk_items", str(cfg.chunk_items), "--datagen.chunks_in_flight", "2",
             "--serve.api_url", api.url, "--serve.max_batches_offpolicy", str(cfg.max_batches_offpolicy),
             "--serve.poll_s", "0.2",
         ]
-        datagen = subprocess.Popen(datagen_cmd, env=pf_env, stdout=open(out / "logs" / "datagen.log", "ab"),
+        datagen = subprocess.Popen(datagen_cmd, env=base_env, stdout=open(out / "logs" / "datagen.log", "ab"),
                                    stderr=subprocess.STDOUT, cwd=ROOT)
+        steps = cfg.total_steps if cfg.total_steps is not None else 1_000_000
         train_cmd = [
             sys.executable, "-m", "flows.train", "--config", str(ROOT / cfg.train_config),
-            "--train.model_path", policy, "--train.output_dir", str(trainer_dir),
-            "--train.batch_size", str(cfg.batch_size), "--train.total_steps", str(cfg.total_steps),
-            "--train.max_runtime_s", str(cfg.budget_s), "--train.checkpoint_every", str(cfg.checkpoint_every),
-            "--train.optim.lr", str(cfg.lr),
-            "--train.optim.warmup_steps", str(cfg.warmup_steps), "--source.api_url", api.url, "--push.endpoints", f"[{server.base_url}]",
+            "--train.model_path", policy, "--train.output_dir", str(trainer_dir), "--train.seed", str(cfg.seed),
+            "--train.batch_size", str(cfg.batch_size), "--train.total_steps", str(steps),
+            "--train.checkpoint_every", str(cfg.checkpoint_every), "--train.optim.lr", str(cfg.lr),
+            "--train.optim.warmup_steps", str(cfg.warmup_steps), "--source.api_url", api.url,
+            "--push.endpoints", f"[{server.base_url}]",
+            *(["--train.max_runtime_s", str(cfg.budget_s)] if cfg.total_steps is None else []),
         ]
+        busy0 = _server_busy(server.base_url)
         train_started = time.monotonic()
-        trainer = subprocess.Popen(train_cmd, env=pf_env, stdout=open(out / "logs" / "trainer.log", "ab"),
+        trainer = subprocess.Popen(train_cmd, env=base_env, stdout=open(out / "logs" / "trainer.log", "ab"),
                                    stderr=subprocess.STDOUT, cwd=ROOT)
-        trainer.wait(timeout=cfg.budget_s + 900)
+        limit = cfg.budget_s + 900 if cfg.total_steps is None else max(3600.0, 60.0 * cfg.total_steps)
+        trainer.wait(timeout=limit)
         phases["train_wall_s"] = time.monotonic() - train_started
+        busy1 = _server_busy(server.base_url)
         if trainer.returncode != 0:
             raise RuntimeError(f"trainer exited with {trainer.returncode}; see {out / 'logs' / 'trainer.log'}")
     finally:
@@ -159,87 +227,103 @@ def run_loop(cfg: RLLoopConfig) -> dict[str, Any]:
             api.stop()
         if server is not None:
             server.stop()
-        prefect.down()
         phases["shutdown_s"] = time.monotonic() - stopping
 
-    from factory.train.trainer import latest_checkpoint
-
+    trained_in_eval, made = trained_overlap(out, plan)
+    log(f"problems datagen made: {made}; of them in the eval sets: {trained_in_eval}")
     final = latest_checkpoint(trainer_dir)
-    print(f"== after: held-out eval of {final}", flush=True)
-    after = heldout_accuracy(final, env, n=cfg.eval_items, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    phases["eval_after_s"] = after.seconds
+    log(f"== after: eval of {final}")
+    began = time.monotonic()
+    after = rl_report.eval_rows("after", evaluate_all(str(final), cfg, plan), headline)
+    rl_report.write_jsonl(out / "eval.jsonl", after)
+    phases["eval_after_s"] = time.monotonic() - began
     phases["total_s"] = time.monotonic() - t0
-    report = _report(cfg, out, before, after, phases)
+
+    metric_rows = [json.loads(line) for line in (trainer_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    total = lambda key: sum(r.get(key) or 0.0 for r in metric_rows)  # noqa: E731
+    lags = [r["policy_lag"] for r in metric_rows if r.get("policy_lag") is not None]
+    train_wall = phases.get("train_wall_s", 0.0)
+    timing = {"trainer_compute_s": total("compute_s"), "trainer_wait_s": total("wait_s"), "save_s": total("save_s"),
+              "push_s": total("push_s"), "server_busy_s": busy1[0] - busy0[0], "server_update_s": busy1[1] - busy0[1],
+              "busy_share": (busy1[0] - busy0[0]) / train_wall if train_wall else None,
+              "policy_lag_mean": sum(lags) / len(lags) if lags else None, "policy_lag_max": max(lags) if lags else None}
+    table = rl_report.headline_table(before + after)
+    title = (f"RL loop: {', '.join(cfg.families)} (difficulty {cfg.difficulties}), seed {cfg.seed}, group "
+             f"{cfg.group_size}, batch {cfg.batch_size}, lr {cfg.lr}, {len(metric_rows)} steps in {train_wall:.0f} s "
+             f"(stop rule: {stop_rule})")
+    plan_lines = plan_summary(cfg, plan) + [f"problems trained on that are in the eval sets: {trained_in_eval} "
+                                            f"(of {made} made)"]
+    md = rl_report.markdown(title, table, plan_lines, phases, timing)
+    png = rl_report.plot(out / "report.png", metric_rows, table)
+    report = {"config": cfg.model_dump(mode="json"), "headline": table, "overlap_planned": plan.overlap,
+              "overlap_trained": trained_in_eval, "problems_made": made, "planned_train_items": plan.planned_train_items,
+              "levels": [{"level": lv.level, "role": lv.role, "headline": lv.headline_families,
+                          "distinct": lv.evalset.distinct, "too_small": lv.evalset.too_small} for lv in plan.levels],
+              "steps": len(metric_rows), "phases": phases, **timing, "png": str(png),
+              "eval_rows": str(out / "eval.jsonl"), "metrics": str(trainer_dir / "metrics.jsonl"), "markdown": md}
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(report["markdown"])
-    print(report["markdown"], flush=True)
+    (out / "report.md").write_text(md)
+    log(md)
     return report
 
 
-def trainer_dir_of(out: Path) -> Path:
-    """Checkpoints and metrics sit beside the run's shards, where `view-run --store <out>/store` shows the curve."""
-    return out / "store" / "rl" / "train"
+@flow(name="rl-loop", log_prints=False)
+def rl_loop(loop: dict[str, Any] | None = None, config_path: str | None = "deployments/rl_loop.yaml") -> dict[str, Any]:
+    """Eval, train with GRPO on the train side of the content split until the stop rule, eval again; returns the
+    report (also a markdown artifact `rl-loop-report`)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    logger = get_run_logger()
+    path = None if config_path is None else (Path(config_path) if Path(config_path).is_absolute() else ROOT / config_path)
+    cfg = build_config(RLLoopConfig, yaml_path=path, values=loop or {})
+    report = run_loop(cfg, log=logger.info)
+    create_markdown_artifact(key="rl-loop-report", markdown=report["markdown"],
+                             description=f"RL loop report ({cfg.out_dir})")
+    return report
 
 
-def _report(cfg: RLLoopConfig, out: Path, before: Any, after: Any, phases: dict[str, float]) -> dict[str, Any]:
-    trainer_dir = trainer_dir_of(out)
-    rows = [json.loads(line) for line in (trainer_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = len(rows)
-    total = lambda key: sum(r.get(key) or 0.0 for r in rows)  # noqa: E731
-    inference_s = 0.0
-    chunks = 0
-    for path in (out / "store" / "rl").glob("stats-intern-bootcamp-*.json"):
-        inference_s += json.loads(path.read_text()).get("generate_s", 0.0)
-        chunks += 1
-    diff = after.accuracy - before.accuracy
-    diff_se = (before.stderr ** 2 + after.stderr ** 2) ** 0.5
-    lines = [
-        f"## RL loop: {', '.join(cfg.families)} (difficulty {cfg.difficulties}), group {cfg.group_size}, "
-        f"batch {cfg.batch_size}, lr {cfg.lr}, {steps} steps in {phases.get('train_wall_s', 0):.0f} s",
-        "",
-        "| policy | held-out accuracy | n | std. error |",
-        "|---|---|---|---|",
-        f"| before ({cfg.policy}) | {before.accuracy:.3f} | {before.n} | {before.stderr:.3f} |",
-        f"| after (step {steps}) | {after.accuracy:.3f} | {after.n} | {after.stderr:.3f} |",
-        f"| change | {diff:+.3f} | | {diff_se:.3f} |",
-        "",
-        "| family | before | after |",
-        "|---|---|---|",
-    ]
-    for family, (c, n) in before.per_family.items():
-        ca, na = after.per_family.get(family, (0, 0))
-        lines.append(f"| {family} | {c / n:.3f} | {ca / na if na else 0:.3f} |")
-    lines += [
-        "",
-        "| where the time went | seconds |",
-        "|---|---|",
-        *(f"| {k} | {v:.1f} |" for k, v in phases.items()),
-        f"| trainer compute (sum of steps) | {total('compute_s'):.1f} |",
-        f"| trainer waiting for batches | {total('wait_s'):.1f} |",
-        f"| checkpoint save | {total('save_s'):.1f} |",
-        f"| weight push (update_weights_from_disk) | {total('push_s'):.1f} |",
-        f"| datagen inference (sum over {chunks} chunks; chunks overlap) | {inference_s:.1f} |",
-        "",
-        f"reward curve: {trainer_dir / 'reward_curve.png'}; metrics: {trainer_dir / 'metrics.jsonl'}",
-    ]
-    if rows:
-        first = sum(r["reward_mean"] for r in rows[:5]) / min(5, len(rows))
-        last = sum(r["reward_mean"] for r in rows[-5:]) / min(5, len(rows))
-        lines.append(f"batch reward mean, first 5 steps -> last 5: {first:.3f} -> {last:.3f}; "
-                     f"mean policy lag {total('policy_lag') / steps:.2f}")
-    return {"config": cfg.model_dump(mode="json"), "before": before.accuracy, "after": after.accuracy,
-            "n": before.n, "stderr_before": before.stderr, "stderr_after": after.stderr, "change": diff,
-            "change_stderr": diff_se, "steps": steps, "phases": phases, "trainer_compute_s": total("compute_s"),
-            "trainer_wait_s": total("wait_s"), "save_s": total("save_s"), "push_s": total("push_s"),
-            "datagen_inference_s": inference_s, "curve": str(trainer_dir / "reward_curve.png"),
-            "markdown": "\n".join(lines) + "\n"}
+def usage() -> str:
+    """The module docstring and every key with its default and description (`--help`)."""
+    keys = [f"  --{name} {json.dumps(field.default)}\n      {field.description}"
+            for name, field in RLLoopConfig.model_fields.items()]
+    return __doc__ + "\nKeys (YAML: deployments/rl_loop.yaml; CLI: --key value):\n" + "\n".join(keys)
 
 
-def main(argv: list[str] | None = None) -> None:
-    yaml_path, overrides = split_config_path(list(sys.argv[1:] if argv is None else argv))
-    cfg = build_config(RLLoopConfig, yaml_path=yaml_path or (ROOT / "deployments" / "rl_loop.yaml"), cli_args=overrides)
-    run_loop(cfg)
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        print(usage())
+        return 0
+    yaml_path, overrides = split_config_path(args)
+    try:
+        cfg = build_config(RLLoopConfig, yaml_path=yaml_path or (ROOT / "deployments" / "rl_loop.yaml"), cli_args=overrides)
+        check_inputs(cfg, ROOT)
+    except ValidationError as error:
+        first = error.errors()[0]
+        print(f"rl-loop: {'.'.join(map(str, first['loc']))}: {first['msg']} (got {first.get('input')!r})", file=sys.stderr)
+        return 2
+    except (LoopInputError, ValueError) as error:
+        print(f"rl-loop: {' '.join(line.strip() for line in str(error).splitlines()[:2])}", file=sys.stderr)
+        return 2
+    values = cfg.model_dump(mode="json")
+    try:
+        if os.environ.get("PREFECT_API_URL"):
+            rl_loop(loop=values, config_path=None)
+        else:
+            from prefect.settings import PREFECT_API_URL, temporary_settings
+
+            from factory.local_prefect import temporary_local_prefect
+
+            home = Path(cfg.out_dir).absolute() / "prefect"
+            shutil.rmtree(home, ignore_errors=True)
+            with temporary_local_prefect(home, _free_port()) as environ:
+                with temporary_settings(updates={PREFECT_API_URL: environ["PREFECT_API_URL"]}):
+                    rl_loop(loop=values, config_path=None)
+    except LoopInputError as error:
+        print(f"rl-loop: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -122,6 +122,20 @@ class TaskFamily:
         """The short ideal completion (used to warm-start a tiny policy by SFT)."""
         return f"<answer>{case.answer}</answer>"
 
+    def identity(self, case: Case) -> str:
+        """What makes two cases the same problem, for train/eval splits: the normalized prompt by default.
+
+        Families whose problem has order-free parameters (gcd operands, a list to sort) override this, so that
+        `gcd(12,18)` and `gcd(18,12)` count as one problem and cannot sit on both sides of a split.
+        """
+        return normalize_prompt(case.prompt)
+
+
+def normalize_prompt(prompt: str) -> str:
+    """Lower case, the answer-format sentence dropped, runs of whitespace made one space."""
+    text = " ".join(prompt.lower().split())
+    return " ".join(text.replace(" ".join(ANSWER_FORMAT.lower().split()), " ").split())
+
 
 def _norm(text: str) -> str:
     return re.sub(r"\s+", "", text).lower()

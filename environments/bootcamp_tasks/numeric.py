@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
-from environments.bootcamp_tasks.base import TaskFamily, check_int, check_int_list
+from environments.bootcamp_tasks.base import Case, TaskFamily, check_int, check_int_list, normalize_prompt
+
+
+def _unordered(case: Case) -> str:
+    """The problem's numbers as a sorted multiset: order in the prompt does not make a new problem."""
+    return ",".join(sorted(re.findall(r"\d+", case.prompt.split("Put the answer")[0]), key=int))
 
 
 def _digits(rng: random.Random, n: int) -> int:
@@ -31,6 +37,10 @@ class Arithmetic(TaskFamily):
             expr = terms[0] + "".join(op + t for op, t in zip(ops, terms[1:]))
         # eval on a string built only from digits and + - * above.
         return f"Compute {expr}.", str(eval(expr))  # noqa: S307
+
+    def identity(self, case: Case) -> str:
+        # a+b is b+a: a level-1 sum is its unordered pair of terms
+        return f"sum {_unordered(case)}" if case.difficulty == 1 else normalize_prompt(case.prompt)
 
     def check(self, expected: str, given: str) -> bool:
         return check_int(expected, given)
@@ -61,6 +71,9 @@ class Sorting(TaskFamily):
         shown = ",".join(map(str, values))
         return f"Sort ascending: {shown}.", ",".join(map(str, sorted(values)))
 
+    def identity(self, case: Case) -> str:
+        return f"sort {_unordered(case)}"
+
     def check(self, expected: str, given: str) -> bool:
         return check_int_list(expected, given)
 
@@ -72,6 +85,9 @@ class ListMax(TaskFamily):
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
         values = rng.sample(range(0, 10 ** min(difficulty + 1, 4)), 2 + difficulty)
         return f"Largest of {','.join(map(str, values))}?", str(max(values))
+
+    def identity(self, case: Case) -> str:
+        return f"max {_unordered(case)}"
 
     def check(self, expected: str, given: str) -> bool:
         return check_int(expected, given)
@@ -85,6 +101,9 @@ class Gcd(TaskFamily):
         factor = rng.randint(2, 3 + 3 * difficulty)
         a, b = factor * rng.randint(1, 5 * difficulty), factor * rng.randint(1, 5 * difficulty)
         return f"gcd({a},{b})=?", str(math.gcd(a, b))
+
+    def identity(self, case: Case) -> str:
+        return f"gcd {_unordered(case)}"
 
     def check(self, expected: str, given: str) -> bool:
         return check_int(expected, given)

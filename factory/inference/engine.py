@@ -176,6 +176,8 @@ class BatchingEngine:
         self.batch_wait_s = batch_wait_s  # after an idle spell, wait this long for concurrent arrivals to join
         self.batches = 0
         self.rows = 0
+        self.busy_s = 0.0  # seconds spent generating (what the RL loop's busy share is made of)
+        self.update_s = 0.0  # seconds spent loading pushed weights (generation waits meanwhile)
         self._queue: queue.Queue[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="policy-engine", daemon=True)
         self._thread.start()
@@ -205,7 +207,7 @@ class BatchingEngine:
                 return
             kind, payload, future, loop = first
             if kind == "update":
-                self._finish(loop, future, lambda: self.engine.load(*payload))
+                self._finish(loop, future, lambda payload=payload: self._timed_load(payload))
                 continue
             batch = [first]
             rows = len(payload)
@@ -223,6 +225,7 @@ class BatchingEngine:
             flat = [req for job in batch for req in job[1]]
             self.batches += 1
             self.rows += len(flat)
+            began = time.perf_counter()
             try:
                 results = self.engine.generate_batch(flat)
             except Exception as error:  # noqa: BLE001 - handed to every waiting request
@@ -230,10 +233,19 @@ class BatchingEngine:
                 for _, _, fut, lp in batch:
                     lp.call_soon_threadsafe(_set_exception, fut, error)
                 continue
+            finally:
+                self.busy_s += time.perf_counter() - began
             start = 0
             for _, reqs, fut, lp in batch:
                 lp.call_soon_threadsafe(_set_result, fut, results[start : start + len(reqs)])
                 start += len(reqs)
+
+    def _timed_load(self, payload: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return self.engine.load(*payload)
+        finally:
+            self.update_s += time.perf_counter() - began
 
     @staticmethod
     def _finish(loop: asyncio.AbstractEventLoop, future: asyncio.Future, work: Any) -> None:

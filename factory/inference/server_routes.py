@@ -128,7 +128,8 @@ def register_routes(app: FastAPI, state: dict[str, Any], served_model_name: str)
         core = engine().engine
         return {"model_path": core.model_path, "tokenizer_path": core.model_path, "is_generation": True,
                 "weight_version": str(core.weight_version), "served_model_name": served_model_name,
-                "num_batches": engine().batches, "num_rows": engine().rows}
+                "num_batches": engine().batches, "num_rows": engine().rows,
+                "busy_s": round(engine().busy_s, 3), "update_s": round(engine().update_s, 3)}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict:
