@@ -266,6 +266,13 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`factory-local {up,down,status,env}`; user errors end in one line (factory/cli_errors.py)."""
+    from factory.cli_errors import run_cli
+
+    return run_cli("factory-local", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="factory-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["up", "down", "status", "env"])
     parser.add_argument("--no-worker", action="store_true", help="start the server and pool only")

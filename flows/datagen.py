@@ -335,6 +335,8 @@ def gsm8k_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | No
 
 def cli(ref: str, argv: list[str] | None = None) -> int:
     """`python environments/<env>.py {process,evaluate,serve} --config X --env.group_size 8 ...`."""
+    from factory.cli_errors import run_cli
+    from factory.config import prog_name
     from flows.datagen_cli import main
 
-    return main(ref, argv)
+    return run_cli(prog_name(), lambda args: main(ref, args), argv)

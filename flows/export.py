@@ -55,6 +55,10 @@ def dpo_export(
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("sft", "dpo"):
+        if args and args[0] in ("-h", "--help"):
+            print(f"usage: python -m flows.export {{sft|dpo}} [--config FILE] [--KEY VALUE ...]\n\n{__doc__.strip()}\n\n"
+                  "`python -m flows.export sft --help` (or dpo) lists every key.")
+            return
         raise SystemExit("usage: python -m flows.export {sft|dpo} [--config FILE] [--output.path PATH] [--key value ...]")
     kind, rest = args[0], args[1:]
     yaml_path, overrides = split_config_path(rest)
@@ -66,4 +70,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m flows.export", main))
