@@ -19,10 +19,8 @@ import errno
 import os
 import socket
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "FACTORY_DEBUG"
@@ -140,20 +138,6 @@ def _holder(port: int) -> str:
     except Exception:  # naming the holder is a courtesy (it needs the right to see other users' sockets)
         return ""
     return ""
-
-
-def check_writable_dir(path: str | Path, *, flag: str) -> Path:
-    """Create `path` if needed and prove a file can be written in it; raise UserError naming `flag` if not."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-            pass
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise UserError(f"{flag} {path} is not a writable directory ({reason}): choose a writable path with {flag} "
-                        "or fix its permissions") from None
-    return path
 
 
 def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:

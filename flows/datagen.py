@@ -27,7 +27,7 @@ from prefect.artifacts import create_table_artifact, update_progress_artifact
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
-from factory.config import FactoryConfig, build_config, to_yaml
+from factory.config import ConfigError, FactoryConfig, build_config, to_yaml
 from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
@@ -293,11 +293,11 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
                 config_path: str | None = None, cli_args: list[str] | None = None) -> dict[str, Any]:
     """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
     values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
-    cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
-    use_endpoints_block(cfg)
     try:
+        cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
+        use_endpoints_block(cfg)
         preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
-    except PreflightError as error:
+    except (ConfigError, PreflightError) as error:
         from factory.run_control import fail_without_retry
 
         fail_without_retry(str(error))  # a wrong setting is not retried

@@ -20,6 +20,7 @@ from factory.export.config import (
     SftExportConfig,
     SourceConfig,
 )
+from factory.export.source import check_store_source
 from tasks.export import publish_summary_task, run_export_task
 
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     yaml_path, overrides = split_config_path(rest)
     model = SftExportConfig if kind == "sft" else DpoExportConfig
     config = build_config(model, yaml_path=yaml_path, cli_args=overrides)
+    check_store_source(config.source)  # a missing store or run is refused before a flow run starts
     run = sft_export if kind == "sft" else dpo_export
     summary = run(output=config.output, source=config.source, select=config.select)
     print(f"{summary['rows_out']} rows -> {', '.join(summary['outputs'])}")

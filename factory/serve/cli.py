@@ -12,7 +12,8 @@ from typing import Any
 
 import uvicorn
 
-from factory.cli_errors import check_port_free, check_writable_dir, run_cli
+from factory.cli_errors import check_port_free, run_cli
+from factory.preflight import check_store_writable
 from factory.config import build_config, config_help, split_config_path, wants_help
 from factory.serve.app import create_app
 from factory.serve.config import ServeConfig
@@ -86,7 +87,7 @@ def _main(argv: list[str]) -> int:
     config = load_config(argv)
     # The two faults a user meets first, checked before uvicorn (whose own report ends in shutdown lines).
     check_port_free(config.host, config.port)
-    check_writable_dir(config.store_root, flag="--store_root")
+    check_store_writable("store_root", config.store_root)
     serve(config)
     return 0
 
