@@ -21,12 +21,20 @@ os.environ.setdefault("FACTORY_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run when processes started by the tests are still running (they are ended and listed)."""
+    import sys
+
     from tests.process_leaks import reap_leaks
+
+    spared: set[int] = set()
+    if "prefect.server.api.server" in sys.modules:  # Prefect's temporary server stops at exit, after this check
+        from prefect.server.api.server import SubprocessASGIServer
+
+        spared = {s.server_process.pid for s in SubprocessASGIServer._instances.values() if s.server_process}
 
     factory = getattr(session.config, "_tmp_path_factory", None)
     basetemp = getattr(factory, "_basetemp", None)  # set only when a test used tmp_path
     paths = (str(basetemp),) if basetemp is not None and basetemp.exists() else ()
-    found = reap_leaks(os.environ["FACTORY_TEST_SESSION"], paths=paths)
+    found = reap_leaks(os.environ["FACTORY_TEST_SESSION"], paths=paths, spare=spared)
     if not found:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

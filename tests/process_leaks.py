@@ -30,9 +30,9 @@ def _ours(proc: psutil.Process) -> set[int]:
     return pids
 
 
-def find_leaks(marker: str, *, paths: tuple[str, ...] = ()) -> list[psutil.Process]:
-    """Live processes (not zombies, not this one or its ancestors) that carry `marker` or run under `paths`."""
-    skip = _ours(psutil.Process())
+def find_leaks(marker: str, *, paths: tuple[str, ...] = (), spare: set[int] = frozenset()) -> list[psutil.Process]:
+    """Live processes (not zombies, not this one or its ancestors, not `spare`) carrying `marker` or under `paths`."""
+    skip = _ours(psutil.Process()) | set(spare)
     leaks = []
     for proc in psutil.process_iter(["pid", "name", "cmdline", "status"]):
         if proc.pid in skip or proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["name"] in DAEMONS:
@@ -55,13 +55,14 @@ def describe(proc: psutil.Process) -> str:
         return f"pid {proc.pid} (gone)"
 
 
-def reap_leaks(marker: str, *, paths: tuple[str, ...] = (), grace_s: float = 10.0) -> list[str]:
+def reap_leaks(marker: str, *, paths: tuple[str, ...] = (), spare: set[int] = frozenset(),
+               grace_s: float = 10.0) -> list[str]:
     """Wait up to `grace_s` for stragglers to exit; end (SIGTERM, then SIGKILL) and describe those that do not."""
     deadline = time.monotonic() + grace_s
-    leaks = find_leaks(marker, paths=paths)
+    leaks = find_leaks(marker, paths=paths, spare=spare)
     while leaks and time.monotonic() < deadline:
         time.sleep(0.5)
-        leaks = find_leaks(marker, paths=paths)
+        leaks = find_leaks(marker, paths=paths, spare=spare)
     found = [describe(proc) for proc in leaks]
     for proc in leaks:
         try:
