@@ -38,6 +38,7 @@ USER_ERROR_TYPES = {
     "pydantic_core._pydantic_core.ValidationError": 2,
     "factory.preflight.PreflightError": 1,
     "factory.store.StoreError": 1,
+    "factory.local_prefect.StackError": 1,
     "factory.export.source.SourceError": 1,
     "factory.export.writer.OutputExistsError": 1,
     "factory.export.render.RenderError": 1,
@@ -45,7 +46,11 @@ USER_ERROR_TYPES = {
 
 
 def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+    module = cls.__module__
+    if module == "__main__":  # `python -m factory.local_prefect`: its classes live in __main__
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec is not None else module
+    return f"{module}.{cls.__qualname__}"
 
 
 def _chain(error: BaseException) -> list[BaseException]:

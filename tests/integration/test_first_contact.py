@@ -122,3 +122,37 @@ def test_console_script_help_is_generated() -> None:
     code, out, seconds = run([sys.executable, "-c", "import sys; from factory.serve.cli import main; "
                               "sys.argv = ['run-api', '--help']; raise SystemExit(main())"])
     assert code == 0 and "PydanticUndefined" not in out and "--follow_runs" in out and seconds < 10
+
+
+def test_second_checkout_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """`factory-local up` in a second checkout never reuses the first checkout's Prefect server on the same port."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    first, second = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    first.mkdir()
+    second.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FACTORY_PREFECT_PORT": str(port)}
+    up = [sys.executable, "-m", "factory.local_prefect", "up", "--no-worker"]
+    try:
+        done = subprocess.run(up, cwd=first, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        began = time.monotonic()
+        refused = subprocess.run(up, cwd=second, env=env, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        line = last_line(refused.stderr)
+        assert f"port {port} already serves the Prefect stack of another checkout ({first})" in line, line
+        assert "FACTORY_PREFECT_PORT=" in line and "Traceback" not in refused.stderr
+        assert time.monotonic() - began < 10
+        assert not (second / ".factory" / "server.pid").exists()
+        # The first checkout finds its own stack again, even without its pid file; and `env` keeps its port.
+        (first / ".factory" / "server.pid").rename(first / ".factory" / "server.pid.bak")
+        again = subprocess.run(up, cwd=first, env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0, again.stdout + again.stderr
+        (first / ".factory" / "server.pid.bak").rename(first / ".factory" / "server.pid")
+        no_port = {k: v for k, v in env.items() if k != "FACTORY_PREFECT_PORT"}
+        exports = subprocess.run([sys.executable, "-m", "factory.local_prefect", "env"], cwd=first, env=no_port,
+                                 capture_output=True, text=True, timeout=30).stdout
+        assert f"PREFECT_API_URL='http://127.0.0.1:{port}/api'" in exports
+    finally:
+        subprocess.run([sys.executable, "-m", "factory.local_prefect", "down"], cwd=first, env=env, timeout=60)
