@@ -28,6 +28,7 @@ echo "== local CPU policy server ($POLICY on port $POLICY_PORT)"
 if curl -fs "http://127.0.0.1:$POLICY_PORT/health" >/dev/null 2>&1; then
   # Another checkout's (or an earlier) server: its answers would be taken for this one's.
   echo "error: port $POLICY_PORT already serves a policy server; stop it, or set FACTORY_POLICY_PORT to a free port"
+  factory-local down >/dev/null || true
   exit 1
 fi
 python3 -m factory.inference.local_server --model "$POLICY" --port "$POLICY_PORT" >.factory/policy-server.log 2>&1 &
