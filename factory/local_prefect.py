@@ -153,7 +153,7 @@ class LocalPrefect:
             if _port_busy(self.port):
                 self._refuse_foreign_server()
             else:
-                self._start("server", [sys.executable, "-m", "prefect", "server", "start"])
+                self._start("server", [sys.executable, "-m", "factory.prefect_server"])  # see factory/prefect_server.py
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self._pid("server") is None:
