@@ -176,6 +176,11 @@ def main(kind: str, argv: list[str] | None = None) -> int:
               file=sys.stderr)
     unit = "pairs" if kind == "dpo" else "rows"
     print(f"wrote {summary['rows_out']} {unit} from {summary['groups_in']} groups to {', '.join(summary['outputs'])}")
+    if summary["rows_out"] == 0:  # a script must be able to tell an empty dataset from a written one
+        print(f"atropos-{kind}-gen: error: no {unit} matched ({summary['groups_in']} groups read, dropped "
+              f"{summary.get('dropped') or {}}): check --run/--env/--store, or loosen --min-score and "
+              "--minimum-score-diff-max-min", file=sys.stderr)
+        return 1
     return 0
 
 
