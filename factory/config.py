@@ -9,12 +9,17 @@ Unknown keys and wrong types fail with a `ConfigError` that names the key.
 from __future__ import annotations
 
 import difflib
+import sys
+import textwrap
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticUndefined
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -96,7 +101,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def build_config(
     model: type[M], *, yaml_path: str | Path | None = None, cli_args: Sequence[str] = (), values: dict[str, Any] | None = None
 ) -> M:
-    """Defaults < YAML file < `values` (e.g. flow parameters) < CLI overrides, validated into `model`."""
+    """Defaults < YAML file < `values` (e.g. flow parameters) < CLI overrides, validated into `model`.
+
+    `--help`/`-h` among `cli_args` prints `config_help(model)` (every key, its type, default and description)
+    and exits 0, so each entry point built on this answers --help from the same model that parses it.
+    """
+    if wants_help(cli_args):
+        print(config_help(model))
+        raise SystemExit(0)
     from_yaml: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
     from_cli = parse_cli_overrides(cli_args)
     data = deep_merge(deep_merge(from_yaml, values or {}), from_cli)
@@ -173,3 +185,104 @@ def split_config_path(args: Sequence[str]) -> tuple[str | None, list[str]]:
 def to_yaml(config: BaseModel) -> str:
     """The resolved config as YAML, to leave next to a run's shards."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+HELP_FLAGS = ("--help", "-h")
+
+
+def wants_help(args: Sequence[str]) -> bool:
+    """Whether a command line asks for help (`--help` or `-h` anywhere, not as an option's value)."""
+    return any(arg in HELP_FLAGS for arg in args)
+
+
+def prog_name() -> str:
+    """How the running command was invoked: `python -m flows.train`, `python environments/gsm8k.py`, `run-api`."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return "python -m " + spec.name.removesuffix(".__main__")
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
+    return f"python {argv0}" if argv0.endswith(".py") else Path(argv0).name
+
+
+def config_help(model: type[BaseModel], *, prog: str | None = None, usage_args: str = "",
+                description: str | None = None, extra_options: Sequence[tuple[str, str]] = ()) -> str:
+    """A --help text generated from `model`: every (dotted) key with its type, default and field description.
+
+    `description` defaults to the running script's module docstring, which holds its examples.
+    `extra_options` are (flag, description) pairs the command takes besides the model's keys.
+    """
+    prog = prog or prog_name()
+    if description is None:
+        description = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    head = f"usage: {prog} {usage_args + ' ' if usage_args else ''}[--config FILE.yaml] [--KEY VALUE | --KEY=VALUE ...]"
+    lines = [head, ""]
+    if description:
+        lines += [description, ""]
+    doc = (model.__doc__ or "").strip().splitlines()
+    if doc and doc[0]:
+        lines += [doc[0], ""]
+    lines += [
+        "Options are the config's keys, dotted for nested sections (--section.key VALUE); values are read as YAML",
+        "(--xs '[1, 2]', --flag true). Precedence: command line > --config file > defaults.",
+        "",
+        "options:",
+        _option("-h, --help", "Show this help and exit."),
+        _option("--config FILE", "YAML file holding any of the keys below (same nesting)."),
+    ]
+    lines += [_option(flag, text) for flag, text in extra_options]
+    _field_lines(model, "", lines)
+    return "\n".join(lines)
+
+
+def _option(flag: str, text: str, meta: str = "") -> str:
+    body = textwrap.fill(" ".join(text.split()), width=100, initial_indent="      ", subsequent_indent="      ")
+    return f"  {flag}{'  ' + meta if meta else ''}\n{body}" if text else f"  {flag}{'  ' + meta if meta else ''}"
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a nested section (`Sub`, `Sub | None`), or None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1:
+            return models[0]
+    return None
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    if field.default is not PydanticUndefined:
+        value = field.default
+    elif field.default_factory is not None:
+        try:
+            value = field.default_factory()
+        except TypeError:  # a factory that takes the validated data
+            return "computed"
+    else:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "see keys below"
+    return f"default {value!r}" if not isinstance(value, str) else f"default {value!r}"
+
+
+def _field_lines(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        section = _section_model(field.annotation)
+        text = field.description or ""
+        if section is not None:
+            lines.append("")
+            lines.append(_option(f"--{key}.*", text or (section.__doc__ or "").strip().split("\n")[0], "(section)"))
+            _field_lines(section, f"{key}.", lines)
+            continue
+        meta = f"({_type_name(field.annotation)}, {_default_text(field)})"
+        lines.append(_option(f"--{key}", text, meta))

@@ -6,6 +6,11 @@ default is a real `prefect server` under a project directory. Everything lives
 in `FACTORY_HOME` (default `./.factory`): the Prefect home and database, pid
 files and logs.
 
+One checkout, one stack: a port that already serves another checkout's stack
+is refused (naming that checkout and a free port to use instead), never reused;
+the port chosen with FACTORY_PREFECT_PORT is remembered in `stack.json`, so
+`factory-local env`, `status` and `down` find the same stack later.
+
     factory-local up       # server + work pool + worker, waits until healthy
     factory-local env      # prints the exports that point a shell at it
     factory-local status
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -30,11 +36,17 @@ from pathlib import Path
 
 DEFAULT_PORT = 4200
 DEFAULT_POOL = "local-process"
+STACK_FILE = "stack.json"
+"""In FACTORY_HOME: the port this checkout's stack uses, written by `up`."""
 ZOMBIE_AUTOMATION = "crash-zombie-flow-runs"
 HEARTBEAT_S = 30
 """Flow runs started against this stack send a heartbeat every HEARTBEAT_S seconds (Prefect's minimum); a RUNNING
 run that misses them for ZOMBIE_AFTER_S is marked Crashed by the ZOMBIE_AUTOMATION that `up` installs."""
 ZOMBIE_AFTER_S = 90
+
+
+class StackError(RuntimeError):
+    """The local stack cannot start here; the message names the cause and the fix."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +59,40 @@ class LocalPrefect:
 
     @classmethod
     def from_env(cls) -> LocalPrefect:
+        """FACTORY_HOME (default ./.factory); port from FACTORY_PREFECT_PORT, else the one `up` remembered, else 4200."""
         home = Path(os.environ.get("FACTORY_HOME", ".factory")).absolute()
-        return cls(home=home, port=int(os.environ.get("FACTORY_PREFECT_PORT", DEFAULT_PORT)))
+        port = os.environ.get("FACTORY_PREFECT_PORT")
+        if not port:
+            try:
+                port = json.loads((home / STACK_FILE).read_text())["port"]
+            except (OSError, ValueError, KeyError, TypeError):
+                port = DEFAULT_PORT
+        return cls(home=home, port=int(port))
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.home / "prefect"
+
+    def server_home(self, timeout: float = 5.0) -> str | None:
+        """PREFECT_HOME of the Prefect server answering on this port (which checkout's stack it is), if it says."""
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/admin/settings", timeout=timeout) as response:
+                return str(json.loads(response.read()).get("home") or "") or None
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return None
+
+    def _refuse_foreign_server(self) -> None:
+        """Raise StackError when the port answers as a Prefect server of another checkout (or anything else)."""
+        if not self.healthy():
+            raise StackError(f"port {self.port} is taken by something that is not a Prefect server; "
+                             f"run `FACTORY_PREFECT_PORT={_free_port()} factory-local up` to use a free port")
+        other = self.server_home()
+        if other is not None and Path(other).absolute() == self.prefect_home:
+            return  # this checkout's own server, started before its pid file went missing
+        owner = str(Path(other).parent.parent) if other else "an unknown folder"
+        raise StackError(f"port {self.port} already serves the Prefect stack of another checkout ({owner}); this "
+                         f"checkout ({self.home.parent}) gets its own: `FACTORY_PREFECT_PORT={_free_port()} "
+                         "factory-local up` (the port is remembered), or stop the other with `factory-local down` there")
 
     @property
     def api_url(self) -> str:
@@ -56,7 +100,7 @@ class LocalPrefect:
 
     def environ(self) -> dict[str, str]:
         """Variables that point Prefect clients and servers at this stack."""
-        prefect_home = self.home / "prefect"
+        prefect_home = self.prefect_home
         return {
             "PREFECT_HOME": str(prefect_home),
             "PREFECT_API_URL": self.api_url,
@@ -106,20 +150,19 @@ class LocalPrefect:
     def up(self, *, worker: bool = True, timeout: float = 120.0) -> None:
         """Start what is not running yet and wait for the API to answer."""
         if self._pid("server") is None:
-            if _port_busy(self.port) and not self.healthy():
-                raise RuntimeError(
-                    f"port {self.port} is taken by something that is not a Prefect server; "
-                    "set FACTORY_PREFECT_PORT to a free port"
-                )
-            if not self.healthy():
-                self._start("server", [sys.executable, "-m", "prefect", "server", "start"])
+            if _port_busy(self.port):
+                self._refuse_foreign_server()
+            else:
+                self._start("server", [sys.executable, "-m", "factory.prefect_server"])  # see factory/prefect_server.py
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self._pid("server") is None:
-                raise RuntimeError(f"the Prefect server exited during start-up; see {self._log('server')}")
+                raise StackError(f"the Prefect server exited during start-up; see {self._log('server')}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the Prefect server did not answer within {timeout:.0f}s; see {self._log('server')}")
+                raise StackError(f"the Prefect server did not answer within {timeout:.0f}s; see {self._log('server')}")
             time.sleep(0.5)
+        (self.home / STACK_FILE).write_text(json.dumps({"port": self.port, "api_url": self.api_url,
+                                                        "checkout": str(self.home.parent)}) + "\n")
         self._ensure_pool()
         self.ensure_zombie_automation()
         if worker and self._pid("worker") is None:
@@ -139,7 +182,7 @@ class LocalPrefect:
             text=True,
         )
         if created.returncode != 0 and "already exists" not in created.stdout + created.stderr:
-            raise RuntimeError(f"could not create work pool {self.pool!r}: {created.stdout}{created.stderr}")
+            raise StackError(f"could not create work pool {self.pool!r}: {created.stdout}{created.stderr}")
 
     def ensure_zombie_automation(self) -> None:
         """Install Prefect's zombie detection: a RUNNING flow run whose heartbeats stop is marked Crashed."""
@@ -236,6 +279,12 @@ def drain_prefect_workers(timeout: float = 10) -> None:
         worker.drain_all(timeout=timeout)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _port_busy(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -266,6 +315,13 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`factory-local {up,down,status,env}`; user errors end in one line (factory/cli_errors.py)."""
+    from factory.cli_errors import run_cli
+
+    return run_cli("factory-local", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="factory-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["up", "down", "status", "env"])
     parser.add_argument("--no-worker", action="store_true", help="start the server and pool only")

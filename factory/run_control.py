@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -105,11 +106,29 @@ class RunOwner:
                                     only_if_running=True)
                 if crashed:
                     logger.warning("marked %d run(s) of a dead previous process Crashed: %s", len(crashed), crashed)
+        if not previous or previous.get("host") == socket.gethostname():  # no writer of ours can be left alive
+            self.remove_temp_files()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "flow_runs": flow_run_ids}))
         os.replace(tmp, self.path)
         return crashed
+
+    def remove_temp_files(self) -> list[Path]:
+        """Delete this producer's half-written shards (`shards/.<producer>-<chunk>.parquet.<nonce>.tmp`) that a killed
+        process left; called while taking ownership, when no writer of this producer can still be running."""
+        producer = self.path.name.removeprefix(".owner-").removesuffix(".json")
+        removed = []
+        mine = re.compile(rf"\.{re.escape(producer)}-\d{{8}}\.parquet\.[0-9a-f]+\.tmp")  # not producer 'p-2' for 'p'
+        for path in (self.path.parent / "shards").glob(f".{producer}-*.tmp"):
+            if not mine.fullmatch(path.name):
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        if removed:
+            logger.warning("removed %d temporary file(s) a stopped run left in %s: %s", len(removed),
+                           self.path.parent / "shards", ", ".join(p.name for p in removed))
+        return removed
 
     def release(self) -> None:
         current = self.read()

@@ -28,7 +28,7 @@ from prefect.artifacts import create_table_artifact, update_progress_artifact
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
-from factory.config import FactoryConfig, build_config, to_yaml
+from factory.config import ConfigError, FactoryConfig, build_config, to_yaml
 from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
@@ -340,6 +340,8 @@ def gsm8k_datagen(env: dict[str, Any] | None = None, openai: dict[str, Any] | No
 
 def cli(ref: str, argv: list[str] | None = None) -> int:
     """`python environments/<env>.py {process,evaluate,serve} --config X --env.group_size 8 ...`."""
+    from factory.cli_errors import run_cli
+    from factory.config import prog_name
     from flows.datagen_cli import main
 
-    return main(ref, argv)
+    return run_cli(prog_name(), lambda args: main(ref, args), argv)

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from environments.base import EnvSpec, load_env
-from factory.config import ConfigError, split_config_path
+from factory.cli_errors import classify
+from factory.config import ConfigError, config_help, prog_name, split_config_path, wants_help
 from factory.preflight import PreflightError, preflight
 from factory.inference.client import InferenceClient
 from factory.store import ShardStore
-from flows.datagen import JobConfig, build_job_config, run_datagen
+from flows.datagen import JobConfig, build_job_config, job_config_model, run_datagen
 from flows.datagen_runtime import use_endpoints_block
 from tasks.generate import ClientSampler, load_tokenizer, resolve_api
 
@@ -94,6 +95,10 @@ def evaluate(ref: str, cfg: JobConfig) -> dict[str, float]:
 def main(ref: str, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in MODES:
+        if argv and argv[0] in ("-h", "--help"):
+            print(f"usage: {prog_name()} {{{','.join(MODES)}}} [--config FILE] [--env.KEY VALUE ...]\n\n{__doc__.strip()}"
+                  f"\n\n`{prog_name()} process --help` lists every key with its default and description.")
+            return 0
         print(f"usage: {Path(sys.argv[0]).name} {{{','.join(MODES)}}} [--config FILE] [--env.KEY VALUE ...]",
               file=sys.stderr)
         return 2
@@ -101,6 +106,9 @@ def main(ref: str, argv: list[str] | None = None) -> int:
     # Without PREFECT_API_URL Prefect starts a temporary server; on a busy laptop it needs longer than its default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     config_path, args = split_config_path(rest)
+    if wants_help(args):
+        print(config_help(job_config_model(ref), usage_args=mode, description=__doc__.strip()))
+        return 0
     try:
         cfg = build_job_config(ref, config_path=config_path, cli_args=args)
         use_endpoints_block(cfg)  # as the flow does: preflight checks the block's endpoints, not openai.base_url
@@ -125,6 +133,10 @@ def main(ref: str, argv: list[str] | None = None) -> int:
     except Exception as error:  # the cause is the last line printed, after Prefect's own logs
         from factory.prefect_outage import describe_prefect_outage
 
-        print(f"error: {describe_prefect_outage(error) or f'{type(error).__name__}: {error}'}", file=sys.stderr)
-        return 1
+        if outage := describe_prefect_outage(error):
+            print(f"error: {outage}", file=sys.stderr)
+            return 1
+        known = classify(error)
+        print(f"error: {known[1] if known else f'{type(error).__name__}: {error}'}", file=sys.stderr)
+        return known[0] if known else 1
     return 0

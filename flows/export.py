@@ -20,6 +20,7 @@ from factory.export.config import (
     SftExportConfig,
     SourceConfig,
 )
+from factory.export.source import check_store_source
 from tasks.export import publish_summary_task, run_export_task
 
 
@@ -55,15 +56,22 @@ def dpo_export(
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("sft", "dpo"):
+        if args and args[0] in ("-h", "--help"):
+            print(f"usage: python -m flows.export {{sft|dpo}} [--config FILE] [--KEY VALUE ...]\n\n{__doc__.strip()}\n\n"
+                  "`python -m flows.export sft --help` (or dpo) lists every key.")
+            return
         raise SystemExit("usage: python -m flows.export {sft|dpo} [--config FILE] [--output.path PATH] [--key value ...]")
     kind, rest = args[0], args[1:]
     yaml_path, overrides = split_config_path(rest)
     model = SftExportConfig if kind == "sft" else DpoExportConfig
     config = build_config(model, yaml_path=yaml_path, cli_args=overrides)
+    check_store_source(config.source)  # a missing store or run is refused before a flow run starts
     run = sft_export if kind == "sft" else dpo_export
     summary = run(output=config.output, source=config.source, select=config.select)
     print(f"{summary['rows_out']} rows -> {', '.join(summary['outputs'])}")
 
 
 if __name__ == "__main__":
-    main()
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m flows.export", main))

@@ -326,4 +326,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m flows.rl_loop", main))

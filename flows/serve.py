@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from factory.config import config_help, wants_help
 from factory.serve.cli import load_config
 from factory.serve.config import ServeConfig
 from tasks.batching import publish_serve_summary_task, serve_batches_task
@@ -32,6 +33,11 @@ def serve(config: ServeConfig, stop_after_steps: int | None = None, max_runtime_
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(args):
+        print(config_help(ServeConfig, extra_options=[
+            ("--stop_after_steps N", "Stop once the trainer reaches step N (default: serve until stopped)."),
+            ("--max_runtime_s S", "Stop after S seconds (default: serve until stopped).")]))
+        return
     limits: dict[str, float | None] = {"stop_after_steps": None, "max_runtime_s": None}
     rest = []
     index = 0
@@ -49,4 +55,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m flows.serve", main))

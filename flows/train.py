@@ -18,6 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from factory.config import build_config, split_config_path
+from factory.preflight import check_model_ref
 from factory.train.config import TrainJobConfig
 from tasks.grpo import publish_train_summary_task, train_grpo_task
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(main_distributed(args))
     yaml_path, overrides = split_config_path(args)
     cfg = build_train_config(config_path=yaml_path, cli_args=overrides)
+    check_model_ref("train.model_path", cfg.train.model_path, needs=("config.json",))  # refused before a flow run starts
     summary = train_grpo(train=cfg.train.model_dump(mode="json"), source=cfg.source.model_dump(mode="json"),
                          push=cfg.push.model_dump(mode="json"))
     print(f"step {summary['step']} ({summary['stop_reason']}): checkpoint {summary['checkpoint']}, "
@@ -64,4 +66,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m flows.train", main))

@@ -25,6 +25,12 @@ eval "$(factory-local env)"
 mkdir -p .factory
 
 echo "== local CPU policy server ($POLICY on port $POLICY_PORT)"
+if curl -fs "http://127.0.0.1:$POLICY_PORT/health" >/dev/null 2>&1; then
+  # Another checkout's (or an earlier) server: its answers would be taken for this one's.
+  echo "error: port $POLICY_PORT already serves a policy server; stop it, or set FACTORY_POLICY_PORT to a free port"
+  factory-local down >/dev/null || true
+  exit 1
+fi
 python3 -m factory.inference.local_server --model "$POLICY" --port "$POLICY_PORT" >.factory/policy-server.log 2>&1 &
 POLICY_PID=$!
 cleanup() {
@@ -54,7 +60,7 @@ if ! python3 -m prefect deployment run intern-bootcamp-datagen/intern-bootcamp-d
   exit 1
 fi
 FLOW_RUN_ID=$(grep -oE '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}' .factory/run.log | head -1)
-echo "flow run: http://127.0.0.1:${FACTORY_PREFECT_PORT:-4200}/runs/flow-run/$FLOW_RUN_ID (progress and summary artifacts there)"
+echo "flow run: ${PREFECT_API_URL%/api}/runs/flow-run/$FLOW_RUN_ID (progress and summary artifacts there)"
 # Progress lines (chunks, groups kept, rollouts/s, ETA) until the run ends; non-zero unless it Completed.
 python3 -m factory.progress watch "$FLOW_RUN_ID"
 

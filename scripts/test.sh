@@ -6,6 +6,8 @@ bash scripts/setup.sh
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
+# Every process the tests start inherits this marker; tests/process_leaks.py finds the ones that outlive them.
+export FACTORY_TEST_SESSION="test-sh-$$-$(date +%s%N)"
 
 run_pytest() {
   # pytest exits 5 when a selection holds no tests; that is not a failure here.
@@ -20,3 +22,5 @@ echo "== unit tests"
 run_pytest -q -m "not integration and not slurm and not gpu and not browser" --timeout 300 tests
 echo "== integration tests (real servers)"
 run_pytest -q -m "integration and not gpu" --timeout 900 tests
+echo "== processes left running by the tests (none expected)"
+python3 -m tests.process_leaks "$FACTORY_TEST_SESSION"

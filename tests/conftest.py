@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,37 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Inherited by every process the tests start: pytest_sessionfinish fails the run if one outlives the tests.
+os.environ.setdefault("FACTORY_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when processes started by the tests are still running (they are ended and listed)."""
+    import sys
+
+    from tests.process_leaks import reap_leaks
+
+    spared: set[int] = set()
+    if "prefect.server.api.server" in sys.modules:  # Prefect's temporary server stops at exit, after this check
+        from prefect.server.api.server import SubprocessASGIServer
+
+        spared = {s.server_process.pid for s in SubprocessASGIServer._instances.values() if s.server_process}
+
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    basetemp = getattr(factory, "_basetemp", None)  # set only when a test used tmp_path
+    paths = (str(basetemp),) if basetemp is not None and basetemp.exists() else ()
+    found = reap_leaks(os.environ["FACTORY_TEST_SESSION"], paths=paths, spare=spared)
+    if not found:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(found)} process(es) started by the tests outlived them (now ended):", *found]
+    if reporter is not None:
+        reporter.write_sep("=", "processes left running", red=True)
+        for line in lines:
+            reporter.write_line(line)
+    else:
+        print("\n".join(lines))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def free_port() -> int:

@@ -37,6 +37,7 @@ if "httpx" not in sys.modules:
 
 from pydantic import ValidationError
 
+from factory.cli_errors import run_cli
 from factory.export.config import (
     DpoExportConfig,
     DpoSelectionConfig,
@@ -210,8 +211,8 @@ def main(kind: str, argv: list[str] | None = None) -> int:
 
 
 def sft_main() -> None:
-    raise SystemExit(main("sft"))
+    raise SystemExit(run_cli("atropos-sft-gen", lambda args: main("sft", args)))
 
 
 def dpo_main() -> None:
-    raise SystemExit(main("dpo"))
+    raise SystemExit(run_cli("atropos-dpo-gen", lambda args: main("dpo", args)))

@@ -403,3 +403,17 @@ def iter_groups(
     if config.api_url:
         return iter_api_groups(config, on_idle=on_idle)
     return iter_store_groups(config, need_tokens=need_tokens)
+
+
+def check_store_source(config: SourceConfig) -> None:
+    """Raise SourceError now when the store holds none of the chosen runs (what `iter_store_groups` would find later),
+    so a command can refuse before it starts a flow run."""
+    if config.api_url:
+        return
+    store = ShardStore(config.store)
+    known = store.runs()
+    if not known:
+        raise SourceError(f"store {store.root} holds no runs: check source.store, or write a run first")
+    missing = [run for run in config.runs if run not in known]
+    if missing:
+        raise SourceError(f"run(s) {missing} not found in store {store.root}; runs there: {sorted(known)}")

@@ -53,7 +53,16 @@ def create_app(model_path: str, *, served_model_name: str | None = None, weight_
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """`factory-policy-server --model DIR --port P`; user errors end in one line (factory/cli_errors.py)."""
+    from factory.cli_errors import run_cli
+
+    return run_cli("factory-policy-server", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    from factory.cli_errors import check_port_free
+
     parser = argparse.ArgumentParser(description="Serve a HF causal LM on CPU with SGLang's HTTP API subset.")
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="HF model directory")
     parser.add_argument("--host", default="127.0.0.1")
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.model, "config.json").is_file():
         parser.error(f"--model {args.model!r} is not a HF model directory (no config.json); "
                      "build the starter policy with `python scripts/build_starter_policy.py`")
+    check_port_free(args.host, args.port)
     import torch
     import uvicorn
 
@@ -78,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                      max_batch_rows=args.max_batch_rows)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=args.shutdown_grace_s)
+    return 0
 
 
 @dataclass
@@ -156,4 +167,4 @@ def start_local_server(model_path: str | Path, port: int | None = None, **kwargs
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,7 +12,9 @@ from typing import Any
 
 import uvicorn
 
-from factory.config import ConfigError, build_config, split_config_path
+from factory.cli_errors import check_port_free, run_cli
+from factory.preflight import check_store_writable
+from factory.config import build_config, config_help, split_config_path, wants_help
 from factory.serve.app import create_app
 from factory.serve.config import ServeConfig
 from factory.serve.service import BatchService
@@ -85,23 +87,26 @@ class _NoPandas:
             raise ModuleNotFoundError(f"run-api does not load {name}", name=name)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: run-api [--config serve.yaml] [--port 8000] [--host 0.0.0.0] [--store_root ./data] "
-              "[--follow_runs '[run-1]'] [--<field> value ...]\n\nfields:")
-        for name, field in ServeConfig.model_fields.items():
-            print(f"  --{name:28s} {field.description} (default {field.default!r})")
-        return
-    try:
-        config = load_config(argv)
-    except ConfigError as error:
-        print(f"run-api: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+def _main(argv: list[str]) -> int:
+    if wants_help(argv):
+        print(config_help(ServeConfig, prog="run-api", description=__doc__.strip(),
+                          extra_options=[("--reload", "Accepted and ignored (Atropos's run-api takes it)."),
+                                         (f"${TOKEN_ENV}", "Sets api_token without putting it on the command line.")]))
+        return 0
+    config = load_config(argv)
+    # The two faults a user meets first, checked before uvicorn (whose own report ends in shutdown lines).
+    check_port_free(config.host, config.port)
+    check_store_writable("store_root", config.store_root)
     if "pandas" not in sys.modules:
         sys.meta_path.insert(0, _NoPandas())
     serve(config)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`run-api [--config serve.yaml] [--port 8000] [--store_root ./data] [--<key> value ...]`; --help lists every key."""
+    return run_cli("run-api", _main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -63,6 +63,9 @@ class ApiProcess:
                 self.kill9()
 
     def __enter__(self) -> ApiProcess:
+        # `with ApiProcess(...).start() as api` must not start a second server (the first would outlive the block).
+        if self.process is not None and self.process.poll() is None:
+            return self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

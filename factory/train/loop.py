@@ -146,4 +146,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m factory.train.loop", main))

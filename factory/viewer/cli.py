@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from factory.cli_errors import check_port_free, run_cli
 from factory.viewer.app import ViewerConfig, create_app
 
 TOKEN_ENV = "FACTORY_API_TOKEN"
@@ -47,13 +48,19 @@ def parse_args(argv: Sequence[str] | None = None) -> ViewerConfig:
                         prefect_ui=args.prefect_ui, page_size=args.page_size, text_budget_s=args.text_budget_s)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    config = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("view-run", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    config = parse_args(argv)
+    check_port_free(config.host, config.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shown = f"[{config.host}]" if ":" in config.host else config.host
     print(f"view-run: serving {os.path.abspath(config.store)} on http://{shown}:{config.port}/", flush=True)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -38,10 +38,11 @@ BATCH = 32
 
 
 def _api(tmp_path: Path, *extra: str) -> ApiProcess:
+    """An API process for a `with` block, which starts it (starting it here too left a second one running)."""
     port = free_port()
     command = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1",
                "--store_root", str(tmp_path / "store"), "--batch_metadata", "true", "--log_level", "warning", *extra]
-    return ApiProcess(command, port, log_path=str(tmp_path / "api.log")).start()
+    return ApiProcess(command, port, log_path=str(tmp_path / "api.log"))
 
 
 def _produce(server: str, api: str, prompt: list[int], target: set[int], stop: threading.Event, errors: list[str]) -> None:
