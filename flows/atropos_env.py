@@ -23,7 +23,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from factory.atropos_env import (AtroposEnvConfig, AtroposEnvJob, EnvProgress, ensure_trainer, ingested_groups,
                                  supervise_env)
-from factory.config import build_config, parse_cli_overrides, split_config_path
+from factory.config import build_config, config_help, parse_cli_overrides, split_config_path, wants_help
 
 
 def _percent(progress: EnvProgress, config: AtroposEnvConfig) -> float:
@@ -104,12 +104,20 @@ def atropos_env_flow(env: dict[str, Any] | None = None, config_path: str | None 
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    config_path, rest = split_config_path(list(sys.argv[1:] if argv is None else argv))
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(args):
+        print(config_help(AtroposEnvJob, prog="python -m flows.atropos_env", description=__doc__.strip(),
+                          extra_options=[("--config PATH", "YAML file whose keys the dotted options override.")]))
+        return 0
+    config_path, rest = split_config_path(args)
     overrides = parse_cli_overrides(rest)
     atropos_env_flow(env=overrides.get("env"), config_path=config_path,
                      task_runner_block=overrides.get("task_runner_block"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from factory.cli_errors import run_cli
+
+    raise SystemExit(run_cli("python -m flows.atropos_env", main))

@@ -28,7 +28,7 @@ from prefect.artifacts import create_table_artifact, update_progress_artifact
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
-from factory.config import ConfigError, FactoryConfig, build_config, to_yaml
+from factory.config import FactoryConfig, build_config, to_yaml
 from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
