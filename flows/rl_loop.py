@@ -283,10 +283,11 @@ def rl_loop(loop: dict[str, Any] | None = None, config_path: str | None = "deplo
 
 
 def usage() -> str:
-    """The module docstring and every key with its default and description (`--help`)."""
-    keys = [f"  --{name} {json.dumps(field.default)}\n      {field.description}"
-            for name, field in RLLoopConfig.model_fields.items()]
-    return __doc__ + "\nKeys (YAML: deployments/rl_loop.yaml; CLI: --key value):\n" + "\n".join(keys)
+    """The module docstring and every key with its type, default and description (`--help`)."""
+    from factory.config import config_help
+
+    return config_help(RLLoopConfig, prog="python -m flows.rl_loop", description=__doc__.strip(),
+                       extra_options=[("--config PATH", "YAML of the loop's keys (default deployments/rl_loop.yaml).")])
 
 
 def main(argv: list[str] | None = None) -> int:

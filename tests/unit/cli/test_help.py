@@ -19,9 +19,13 @@ from factory.config import _section_model, config_help
 
 ROOT = Path(__file__).resolve().parents[3]
 CONSOLE_SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-ENV_SCRIPTS = sorted(p.name for p in (ROOT / "environments").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+# Env scripts: the files that run an environment's CLI (process / evaluate / serve), not the scaffold or `-m environments`.
+ENV_SCRIPTS = sorted(p.name for p in (ROOT / "environments").glob("*.py")
+                     if 'if __name__ == "__main__"' in p.read_text() and "from flows.datagen import cli" in p.read_text()
+                     and p.name not in ("scaffold.py", "__main__.py"))
 MODULES = ["flows.train", "flows.serve", "flows.export", "flows.rl_loop", "flows.inference", "factory.train.loop",
-           "factory.progress", "factory.slurm_cluster", "factory.viewer"]
+           "factory.progress", "factory.slurm_cluster", "factory.viewer", "flows.grpo_train", "flows.atropos_env",
+           "environments"]
 
 
 def _flat(text: str) -> str:
