@@ -31,6 +31,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
         spared = {s.server_process.pid for s in SubprocessASGIServer._instances.values() if s.server_process}
 
+    if "tasks.scoring_pool" in sys.modules:  # the shared scorer pool closes at exit; close it now, as exit would
+        sys.modules["tasks.scoring_pool"].ScorerPool.close_all()
+    import psutil
+
+    for child in psutil.Process().children():  # multiprocessing's own helpers end with this interpreter
+        try:
+            if any(f"multiprocessing.{helper} import main" in " ".join(child.cmdline())
+                   for helper in ("forkserver", "resource_tracker")):
+                spared.add(child.pid)
+        except psutil.Error:
+            pass
+
     factory = getattr(session.config, "_tmp_path_factory", None)
     basetemp = getattr(factory, "_basetemp", None)  # set only when a test used tmp_path
     paths = (str(basetemp),) if basetemp is not None and basetemp.exists() else ()

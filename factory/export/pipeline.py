@@ -129,7 +129,8 @@ def _run(
         if require_rows and not stats.rows_out:
             raise NoRowsError(
                 f"no rows matched: {stats.groups_in} groups ({stats.rows_in} sequences) read, dropped by reason: "
-                f"{dict(stats.dropped) or 'none'}; nothing was written"
+                f"{dict(stats.dropped) or 'none'}; nothing was written (check --store/--run/--env or --api-url, or loosen "
+                "--min-score / --minimum-score-diff-max-min)"
             )
         stats.outputs = [str(p) for p in writer.close()]
     except BaseException:
