@@ -93,19 +93,38 @@ class ClientSampler:
         completions = await self.client.chat(messages, n=n, sampling=sampling)
         if self.tokenizer is None:
             return completions
-        return [self._tokenize(messages, c, prompt_ids) for c in completions]
+        return self._tokenize_all(messages, completions, prompt_ids)
 
-    def _tokenize(self, messages: list[dict[str, Any]], c: Completion, prompt_ids: list[int] | None = None) -> Completion:
-        prompt = c.prompt_token_ids or prompt_ids or self._ids(messages)
-        output = c.output_token_ids
-        logprobs = c.output_logprobs
-        if output is None:
-            output = list(self.tokenizer.encode(c.text, add_special_tokens=False))
-            if c.finish_reason == "stop" and self.tokenizer.eos_token_id is not None:
-                output.append(self.tokenizer.eos_token_id)
-        if logprobs is not None and len(logprobs) != len(output):
-            logprobs = None  # server tokens and ours differ: better no logprobs than misaligned ones
-        return _replace(c, prompt_token_ids=prompt, output_token_ids=output, output_logprobs=logprobs)
+    def _tokenize_all(self, messages: list[dict[str, Any]], completions: list[Completion],
+                      prompt_ids: list[int] | None = None) -> list[Completion]:
+        """Token ids for a group's completions: the server's where it returned them, else one batched encode of
+        the rest (one tokenizer call per group, not one per completion); the prompt is templated once."""
+        missing = [c.text for c in completions if c.output_token_ids is None]
+        encoded = iter(encode_texts(self.tokenizer, missing) if missing else [])
+        prompt = None if all(c.prompt_token_ids for c in completions) else (prompt_ids or self._ids(messages))
+        eos = self.tokenizer.eos_token_id
+        tokenized = []
+        for c in completions:
+            output, logprobs = c.output_token_ids, c.output_logprobs
+            if output is None:
+                output = next(encoded)
+                if c.finish_reason == "stop" and eos is not None:
+                    output.append(eos)
+            if logprobs is not None and len(logprobs) != len(output):
+                logprobs = None  # server tokens and ours differ: better no logprobs than misaligned ones
+            tokenized.append(_replace(c, prompt_token_ids=c.prompt_token_ids or prompt, output_token_ids=output,
+                                      output_logprobs=logprobs))
+        return tokenized
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """`tokenizer.encode(text, add_special_tokens=False)` for every text, in one call: straight to the Rust
+    tokenizer's batch encode when the tokenizer is a fast one (the per-call Python of transformers' `encode` cost
+    more than the encoding itself on short answers), else transformers' batch call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _replace(c: Completion, **changes: Any) -> Completion:

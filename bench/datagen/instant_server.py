@@ -1,7 +1,10 @@
 """An instant OpenAI-compatible chat server for the datagen benchmark: answers at once with varied tagged numbers.
 
-Each choice is `<answer>N</answer>` with N drawn from a few values around the
+Each choice is `<answer>N</answer>` with N one of a few values around the
 right sum, so groups usually have differing scores (neither side drops them).
+N is a function of the prompt and the choice's index (not of arrival order),
+so two runs over the same items write the same rows (bench.datagen.stages
+checks that by content hash).
 Raw asyncio HTTP/1.1 with keep-alive: the server costs far less than either
 client, so the clients' own overhead is what the benchmark compares. With
 `--workers N` N processes share the port (SO_REUSEPORT); the bench picks the
@@ -17,9 +20,9 @@ import asyncio
 import json
 import multiprocessing
 import os
-import random
 import re
 import signal
+import zlib
 
 _NUMBERS = re.compile(r"(\d+)\+(\d+)")
 
@@ -29,7 +32,8 @@ def chat_response(body: dict) -> dict:
     found = _NUMBERS.search(text)
     right = int(found.group(1)) + int(found.group(2)) if found else 4
     n = int(body.get("n") or 1)
-    choices = [{"index": i, "message": {"role": "assistant", "content": f"<answer>{right + random.choice((0, 0, 1, -1))}</answer>"},
+    offsets = [(0, 0, 1, -1)[zlib.crc32(f"{text}|{i}".encode()) % 4] for i in range(n)]
+    choices = [{"index": i, "message": {"role": "assistant", "content": f"<answer>{right + offsets[i]}</answer>"},
                 "finish_reason": "stop"} for i in range(n)]
     return {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
             "choices": choices, "usage": {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}}
