@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as replace_record
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -92,23 +93,35 @@ class CommitRecord:
     committed_at: str
     skipped: bool = field(default=False, compare=False)
     """True when `commit` found the chunk already committed and wrote nothing."""
+    file: str = ""
+    """The file holding the shard's rows once a compaction merged it (empty: the shard's own file)."""
+    row_offset: int = 0
+    """Where the shard's rows start in `file`."""
+
+    @property
+    def physical(self) -> str:
+        """Name (under `shards/`) of the file that holds this shard's rows."""
+        return self.file or self.shard
+
+    def _logged(self) -> dict[str, Any]:
+        record = asdict(self)
+        for name in ("skipped", "file", "row_offset"):  # not part of a commit line: compaction records say where rows moved
+            record.pop(name)
+        return record
 
     def to_json(self) -> str:
         """The record as JSON without a check (the format before checked lines; still read)."""
-        record = asdict(self)
-        record.pop("skipped")
-        return json.dumps(record, sort_keys=True)
+        return json.dumps(self._logged(), sort_keys=True)
 
     def to_line(self) -> bytes:
         """The record's commit-log line (checksummed, with its newline)."""
-        record = asdict(self)
-        record.pop("skipped")
-        return encode_line(record)
+        return encode_line(self._logged())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CommitRecord:
         """A record from a parsed line; keys this version does not know are ignored."""
-        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data and name != "skipped"}
+        known = {name: data[name] for name in cls.__dataclass_fields__
+                 if name in data and name not in ("skipped", "file", "row_offset")}
         try:
             return cls(**known)
         except TypeError as error:
@@ -128,12 +141,143 @@ class _LogTail:
     def __init__(self, inode: int) -> None:
         self.inode, self.offset, self.lines = inode, 0, 0
         self.records: dict[str, CommitRecord] = {}
+        self.files: dict[str, tuple[int, str, int]] = {}
+        """Compacted files: name -> (bytes, sha256, rows). A shard not compacted is its own file (its record says)."""
+        self.changed: list[str] = []
+        """Shards in the order their record was added or changed (committed, replaced, compacted): followers
+        read what is new from their last position in it instead of walking the whole history."""
+        self.rows = 0
         self.bad: list[tuple[int, str, bool]] = []
         """(line number, why, whether a whole record was salvaged from it) of each damaged line."""
         self.torn = 0
         """Bytes after the last newline (a torn last line), as of the last read."""
         self.tail = b""
         """The last bytes parsed: a log rewritten or cut back under us no longer matches them."""
+        self.checkpoint_lines = 0
+        """Lines covered by the run's manifest when it was last read or written."""
+
+    def put(self, record: CommitRecord) -> None:
+        old = self.records.pop(record.shard, None)
+        if old is not None:
+            self.rows -= old.rows
+        self.records[record.shard] = record
+        self.rows += record.rows
+        self.changed.append(record.shard)
+
+    def compact(self, data: dict[str, Any]) -> None:
+        """Apply a compaction record: its members' rows now live in one file, in the order listed."""
+        name = data["compact"]
+        self.files[name] = (int(data["bytes"]), str(data["sha256"]), int(data["rows"]))
+        offset = 0
+        for shard, rows, sha256 in data["members"]:
+            record = self.records.get(shard)
+            if record is not None and record.sha256 == sha256 and record.rows == rows:
+                self.records[shard] = replace_record(record, file=name, row_offset=offset)
+                self.changed.append(shard)
+            else:  # the compactor checks this under the run's lock; a mismatch means a hand-edited log
+                logger.error("compaction record %s names shard %s that the log does not hold as such; left as it is", name, shard)
+            offset += rows
+
+    def physical(self, name: str) -> tuple[int, str] | None:
+        """(bytes, sha256) the file `name` under `shards/` must have, if the log makes it live."""
+        if name in self.files:
+            return self.files[name][:2]
+        record = self.records.get(name)
+        if record is not None and not record.file:
+            return record.bytes, record.sha256
+        return None
+
+    def live(self) -> list[tuple[str, int, str, list[tuple[int, int]] | None]]:
+        """Live files in commit order: (name, bytes, sha256, row ranges to read, or None for all of them)."""
+        order: dict[str, list[tuple[int, int]]] = {}
+        for record in self.records.values():
+            order.setdefault(record.physical, []).append((record.row_offset, record.row_offset + record.rows))
+        result = []
+        for name, ranges in order.items():
+            if name in self.files:
+                ranges.sort()
+                whole = ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+                size, sha256, total = self.files[name]
+                result.append((name, size, sha256, None if whole and ranges[-1][1] == total else ranges))
+            else:
+                record = self.records[name]
+                result.append((name, record.bytes, record.sha256, None))
+        return result
+
+
+MANIFEST_NAME = "manifest.arrow"
+MANIFEST_EVERY_LINES = 1000
+"""A manifest is rewritten once the log has grown by this many lines and by a quarter since the last one:
+its cost stays proportional to the log's growth."""
+_MANIFEST_VERSION = 1
+_MANIFEST_SCHEMA = pa.schema([
+    ("shard", pa.string()), ("run_id", pa.string()), ("producer", pa.string()), ("chunk", pa.int64()),
+    ("rows", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string()), ("committed_at", pa.string()),
+    ("file", pa.string()), ("row_offset", pa.int64()),
+])
+
+
+def save_manifest(path: Path, log: _LogTail) -> bool:
+    """Checkpoint what has been parsed of a run's log (records as they stand after compactions) to `path`.
+
+    The manifest is a cache: the log stays the record of every commit. It names the log offset it covers
+    and the log bytes just before it, so a log cut back or rewritten since (repair) is noticed and the
+    manifest ignored. Written under a temporary name and renamed; failures (a read-only store) are ignored.
+    """
+    log.checkpoint_lines = log.lines
+    records = list(log.records.values())
+    columns = {name: [getattr(r, name) for r in records] for name in _MANIFEST_SCHEMA.names}
+    meta = {"version": _MANIFEST_VERSION, "offset": log.offset, "lines": log.lines, "tail": log.tail.hex(),
+            "files": log.files, "bad": log.bad}
+    table = pa.Table.from_pydict(columns, schema=_MANIFEST_SCHEMA).replace_schema_metadata({"manifest": json.dumps(meta)})
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            with pa.ipc.new_file(handle, table.schema) as writer:
+                writer.write_table(table)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        return True
+    except OSError as error:
+        logger.debug("cannot write the manifest %s (%s); the commit log is read instead", path, error)
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail | None:
+    """The parsed state a manifest checkpoints, if it still matches the log at `log_path`; else None."""
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        meta = json.loads(table.schema.metadata[b"manifest"])
+        offset, tail = int(meta["offset"]), bytes.fromhex(meta["tail"])
+        if meta.get("version") != _MANIFEST_VERSION or offset > stat.st_size or len(tail) > offset:
+            return None
+        with open(log_path, "rb") as log:
+            log.seek(offset - len(tail))
+            if log.read(len(tail)) != tail:
+                return None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as error:
+        logger.warning("ignoring the manifest %s (%s); reading the whole commit log", path, error)
+        return None
+    loaded = _LogTail(stat.st_ino)
+    loaded.offset, loaded.lines, loaded.tail = offset, int(meta["lines"]), tail
+    loaded.checkpoint_lines = loaded.lines
+    loaded.files = {name: tuple(value) for name, value in meta["files"].items()}
+    loaded.bad = [tuple(item) for item in meta["bad"]]
+    columns = [table.column(name).to_pylist() for name in _MANIFEST_SCHEMA.names]
+    new = CommitRecord
+    records = {}
+    rows = 0
+    for shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset in zip(*columns):
+        records[shard] = new(shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset)
+        rows += count
+    loaded.records, loaded.rows, loaded.changed = records, rows, list(records)
+    return loaded
 
 
 @dataclass(frozen=True)
@@ -157,6 +301,24 @@ def _check_name(kind: str, value: str) -> None:
             f"{kind} {value!r} is not a valid name: use letters, digits, '_', '-', '.', '=' "
             "(at most 128 characters, starting with a letter or digit)"
         )
+
+
+def _take_ranges(table: pa.Table, ranges: list[tuple[int, int]] | None) -> pa.Table:
+    if ranges is None:
+        return table
+    return pa.concat_tables([table.slice(start, stop - start) for start, stop in ranges]) if ranges else table.slice(0, 0)
+
+
+def _batches_in_ranges(batches: Iterable[pa.RecordBatch], ranges: list[tuple[int, int]]) -> Iterator[pa.RecordBatch]:
+    """The rows of `batches` (a file read in order) that fall in the sorted `ranges`."""
+    position = 0
+    for batch in batches:
+        end = position + batch.num_rows
+        for start, stop in ranges:
+            low, high = max(start, position), min(stop, end)
+            if low < high:
+                yield batch.slice(low - position, high - low)
+        position = end
 
 
 fsync_path = fsync_dir
@@ -265,8 +427,8 @@ class ShardStore:
         if chunk < 0:
             raise ValueError(f"chunk must be >= 0, got {chunk}")
         name = shard_name(producer, chunk)
-        if not replace and (existing := self.committed(run_id).get(name)) is not None:
-            return CommitRecord(**{**asdict(existing), "skipped": True})
+        if not replace and (existing := self.record(run_id, name)) is not None:
+            return replace_record(existing, skipped=True)
 
         shards = self.shards_dir(run_id)
         if not shards.is_dir():
@@ -296,8 +458,8 @@ class ShardStore:
                 committed_at=datetime.now(timezone.utc).isoformat(),
             )
             with self._locked(run_id):
-                if not replace and (existing := self.committed(run_id).get(name)) is not None:
-                    return CommitRecord(**{**asdict(existing), "skipped": True})
+                if not replace and (existing := self.record(run_id, name)) is not None:
+                    return replace_record(existing, skipped=True)
                 if run_id not in self._recovered:
                     try:
                         self._finish_commits(run_id)
@@ -336,12 +498,15 @@ class ShardStore:
             logger.error("shard %s is committed but could not be renamed into place yet (%s); the next commit or read finishes it", final, error)
             self._recovered.discard(final.parent.parent.name)
 
-    def _finish_commits(self, run_id: str) -> list[str]:
+    def _finish_commits(self, run_id: str, *, remove_retired: bool = True) -> list[str]:
         """Rename logged shards still under their temporary name into place (under the run's lock).
 
-        A commit interrupted after its record became durable (a crash, a failed
-        rename) left its shard only as `.<shard>.<nonce>.tmp`; the one whose
-        size and sha256 match the record is the committed shard. Returns the shards renamed.
+        A commit (or compaction) interrupted after its record became durable
+        (a crash, a failed rename) left its file only as `.<name>.<nonce>.tmp`;
+        the one whose size and sha256 match the log is the committed file.
+        Then shard files that a logged compaction merged into a file now in
+        place are removed (a compaction interrupted before it removed them).
+        Returns the files renamed.
         """
         shards = self.shards_dir(run_id)
         try:
@@ -349,18 +514,16 @@ class ShardStore:
         except FileNotFoundError:
             return []
         staged = [(entry, shard) for entry, shard in staged if shard]
-        if not staged:
-            return []
-        records = self.committed(run_id)
+        log = self._read_log(run_id)
         finished = []
         for entry, shard in staged:
-            record = records.get(shard)
+            expected = log.physical(shard)
             final = shards / shard
-            if record is None or shard in finished or self._check(final, record, True) is None:
+            if expected is None or shard in finished or self._check_file(final, *expected, True) is None:
                 continue
             tmp = Path(entry.path)
             try:
-                if tmp.stat().st_size != record.bytes or _sha256(tmp) != record.sha256:
+                if tmp.stat().st_size != expected[0] or _sha256(tmp) != expected[1]:
                     continue
                 os.replace(tmp, final)
             except OSError as error:
@@ -370,7 +533,39 @@ class ShardStore:
             logger.warning("finished an interrupted commit: renamed %s to %s", tmp.name, final)
         if finished:
             fsync_dir(shards)
+        if remove_retired:
+            self._remove_retired(run_id)
         return finished
+
+    def _remove_retired(self, run_id: str) -> list[str]:
+        """Remove shard files whose rows a logged compaction moved into a file that is in place and intact
+        (under the run's lock). Returns the files removed."""
+        log = self._read_log(run_id)
+        if not log.files:
+            return []
+        shards = self.shards_dir(run_id)
+        removed = []
+        intact: dict[str, bool] = {}
+        for shard, record in list(log.records.items()):
+            if not record.file or log.physical(shard) is not None:
+                continue
+            path = shards / shard
+            if not path.exists():
+                continue
+            if record.file not in intact:
+                intact[record.file] = self._check_file(shards / record.file, *log.files[record.file][:2], True) is None
+            if not intact[record.file]:
+                continue
+            try:
+                path.unlink()
+            except OSError as error:
+                logger.error("cannot remove %s (merged into %s): %s", path, record.file, error)
+                continue
+            removed.append(shard)
+        if removed:
+            fsync_dir(shards)
+            logger.info("removed %d shard files merged into compacted files", len(removed))
+        return removed
 
     def finish_commits(self, run_id: str) -> list[str]:
         """Rename committed shards left under their temporary name (a crash or failed rename) into place."""
@@ -437,9 +632,41 @@ class ShardStore:
         """Committed shards of a run by name, in commit order; the latest record of a shard wins.
 
         The log is append-only, so each call parses only the lines appended since the last call (a
-        long-running writer or follower would otherwise re-read a log that grows with every commit).
+        long-running writer or follower would otherwise re-read a log that grows with every commit), and a
+        new process starts from the run's manifest (a checkpoint of the parsed log) plus the log after it.
+        A compacted shard's record names the file holding its rows (`file`, `row_offset`).
         """
         return dict(self._read_log(run_id).records)
+
+    def record(self, run_id: str, shard: str) -> CommitRecord | None:
+        """The commit record of one shard, or None (reads only the log's new end; no copy of the history)."""
+        return self._read_log(run_id).records.get(shard)
+
+    def changes(self, run_id: str, since: int = 0) -> tuple[int, list[CommitRecord]]:
+        """Records added or changed (committed, replaced, compacted) after position `since` of the run's change list.
+
+        Returns (the position to pass next time, the current records of those shards in change order, each once).
+        A follower that keeps the position costs what is new, not the history. A position from another
+        process or from before a log rewrite (repair) is not comparable: start from 0 there.
+        """
+        log = self._read_log(run_id)
+        end = len(log.changed)
+        if since > end:
+            since = 0
+        seen: dict[str, CommitRecord] = {}
+        for shard in log.changed[since:end]:
+            record = log.records.get(shard)
+            if record is not None:
+                seen.pop(shard, None)
+                seen[shard] = record
+        return end, list(seen.values())
+
+    def locate(self, run_id: str, shard: str) -> tuple[Path, int, int] | None:
+        """(file, first row, rows) holding a committed shard's rows, following compaction; None if not committed."""
+        record = self.record(run_id, shard)
+        if record is None:
+            return None
+        return self.shards_dir(run_id) / record.physical, record.row_offset, record.rows
 
     def _read_log(self, run_id: str) -> _LogTail:
         log_path = self.commit_log(run_id)
@@ -450,7 +677,7 @@ class ShardStore:
         with self._logs_lock:
             cached = self._logs.get(run_id)
             if cached is None or cached.inode != stat.st_ino or stat.st_size < cached.offset:
-                cached = _LogTail(stat.st_ino)
+                cached = load_manifest(self.manifest_path(run_id), log_path, stat) or _LogTail(stat.st_ino)
                 self._logs[run_id] = cached
             if stat.st_size > cached.offset:
                 with open(log_path, "rb") as log:
@@ -470,44 +697,66 @@ class ShardStore:
                 cached.torn = len(data) - end
                 if cached.torn:
                     logger.warning("%s:%d: ignoring a torn last line (crash during append)", log_path, cached.lines + 1)
+                if cached.lines - cached.checkpoint_lines >= max(MANIFEST_EVERY_LINES, cached.checkpoint_lines // 4):
+                    save_manifest(self.manifest_path(run_id), cached)
             return cached
+
+    def manifest_path(self, run_id: str) -> Path:
+        return self.run_dir(run_id) / MANIFEST_NAME
 
     @staticmethod
     def _parse_line(log_path: Path, cached: _LogTail, line: bytes) -> None:
         if not line.strip():
             return
         try:
-            record = parse_commit_line(line)
+            data = decode_line(line)
         except CommitLineError as error:
             salvaged = salvage_line(line)
             cached.bad.append((cached.lines, str(error), salvaged is not None))
             if salvaged is None:
                 logger.error("%s:%d: unreadable commit record left out: %s", log_path, cached.lines, error)
                 return
-            record = CommitRecord.from_dict(salvaged)
-            logger.warning("%s:%d: a whole record follows a torn fragment on this line: kept %s", log_path, cached.lines, record.shard)
-        cached.records.pop(record.shard, None)
-        cached.records[record.shard] = record
+            data = salvaged
+            logger.warning("%s:%d: a whole record follows a torn fragment on this line: kept it", log_path, cached.lines)
+        if "compact" in data:
+            try:
+                cached.compact(data)
+            except (KeyError, TypeError, ValueError) as error:
+                cached.bad.append((cached.lines, f"not a compaction record: {error}", False))
+                logger.error("%s:%d: unreadable compaction record left out: %s", log_path, cached.lines, error)
+            return
+        try:
+            record = CommitRecord.from_dict(data)
+        except CommitLineError as error:
+            cached.bad.append((cached.lines, str(error), False))
+            logger.error("%s:%d: unreadable commit record left out: %s", log_path, cached.lines, error)
+            return
+        cached.put(record)
 
     def is_committed(self, run_id: str, producer: str, chunk: int) -> bool:
-        return shard_name(producer, chunk) in self.committed(run_id)
+        return self.record(run_id, shard_name(producer, chunk)) is not None
 
     # ---- reading ----
     def shard_paths(self, run_id: str, *, checksum: bool = True) -> list[Path]:
-        """Paths of a run's committed, intact shards in commit order.
+        """Paths of a run's committed, intact shard files in commit order (a compacted file once, where its first
+        shard was committed).
 
         Each is checked against its logged size and sha256 (a file already
         verified in this process, unchanged since, is not hashed again);
-        problems go to `self.problems` and the log, and the shard is left out.
+        problems go to `self.problems` and the log, and the file is left out.
         `checksum=False` checks sizes only, for callers that re-list often.
         """
+        return [path for path, _ in self._live_files(run_id, checksum)]
+
+    def _live_files(self, run_id: str, checksum: bool = True) -> list[tuple[Path, list[tuple[int, int]] | None]]:
+        """(path, row ranges to read or None for all) of each intact live file, in commit order."""
         self.problems = []
-        paths = []
+        files = []
         shards = self.shards_dir(run_id)
         finished = False
-        for record in self.committed(run_id).values():
-            path = shards / record.shard
-            problem = self._check(path, record, checksum)
+        for name, size, sha256, ranges in self._read_log(run_id).live():
+            path = shards / name
+            problem = self._check_file(path, size, sha256, checksum)
             if problem and not finished:
                 # A commit in flight (its record is durable, the rename is next) or interrupted: wait for the
                 # writer's lock and finish it if it was interrupted. Read-only stores just report it.
@@ -517,23 +766,27 @@ class ShardStore:
                         self._finish_commits(run_id)
                 except (OSError, StoreError):  # a read-only store: report the shard below
                     pass
-                problem = self._check(path, record, checksum)
+                problem = self._check_file(path, size, sha256, checksum)
             if problem:
                 self.problems.append(ShardProblem(str(path), problem, problem.split(" ", 1)[0]))
                 logger.error("shard %s left out of reads: %s", path, problem)
             else:
-                paths.append(path)
-        return paths
+                files.append((path, ranges))
+        return files
 
     @staticmethod
     def _check(path: Path, record: CommitRecord, checksum: bool) -> str | None:
+        return ShardStore._check_file(path, record.bytes, record.sha256, checksum)
+
+    @staticmethod
+    def _check_file(path: Path, expected_bytes: int, expected_sha256: str, checksum: bool) -> str | None:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             return "missing"
-        if size != record.bytes:
-            return f"size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)"
-        if checksum and _verified_sha256(path) != record.sha256:
+        if size != expected_bytes:
+            return f"size is {size} bytes, commit log says {expected_bytes} (truncated or overwritten)"
+        if checksum and _verified_sha256(path) != expected_sha256:
             return "sha256 differs from the commit log (corrupt)"
         return None
 
@@ -560,12 +813,12 @@ class ShardStore:
             problems.append(ShardProblem(
                 f"{self.commit_log(run_id)}:{log.lines + 1}", f"torn last line of {log.torn} bytes (an interrupted append)", "torn-line"
             ))
-        paths = self.shard_paths(run_id)
+        files = self._live_files(run_id)
         problems += self.problems
         seen: dict[str, str] = {}
-        for path in paths:
+        for path, ranges in files:
             try:
-                ids = pq.read_table(path, columns=["group_id"]).column(0).to_pylist()
+                ids = _take_ranges(pq.read_table(path, columns=["group_id"]), ranges).column(0).to_pylist()
             except (OSError, pa.ArrowException) as error:
                 problems.append(ShardProblem(str(path), f"unreadable Parquet: {error}", "unreadable"))
                 continue
@@ -577,11 +830,15 @@ class ShardStore:
                     seen[group_id] = path.name
             for other, count in again.items():
                 problems.append(ShardProblem(str(path), f"{count} group ids are also stored in {other} (duplicates)", "duplicate"))
-        logged = set(log.records)
         shards = self.shards_dir(run_id)
         if shards.is_dir():
             for path in sorted(shards.glob("*.parquet")):
-                if path.name not in logged:
+                if log.physical(path.name) is not None:
+                    continue
+                if path.name in log.records:
+                    problems.append(ShardProblem(
+                        str(path), f"merged into {log.records[path.name].file} by a compaction, yet seen by glob readers (retired)", "retired"))
+                else:
                     problems.append(ShardProblem(str(path), "not in the commit log, yet seen by glob readers (unlogged)", "unlogged"))
         for problem in problems:
             if problem not in self.problems:
@@ -598,8 +855,11 @@ class ShardStore:
         whole; batches already yielded from it are not taken back, so callers
         that need all-or-nothing per shard should use `iter_shard_batches`.
         """
-        for path in self.shard_paths(run_id):
-            yield from self._read_shard(path, columns, batch_size)
+        for path, ranges in self._live_files(run_id):
+            if ranges is None:
+                yield from self._read_shard(path, columns, batch_size)
+            else:  # a compacted file some of whose shards were replaced since: only the rows still committed
+                yield from _batches_in_ranges(self._read_shard(path, columns, batch_size), ranges)
 
     def iter_shard_batches(
         self, path: Path, *, columns: list[str] | None = None, batch_size: int = READ_BATCH_GROUPS
@@ -621,11 +881,12 @@ class ShardStore:
             yield from record_batch_to_groups(batch, validate=validate)
 
     def dataset(self, run_id: str) -> Any:
-        """A `pyarrow.dataset` over the run's committed, intact shards."""
+        """A `pyarrow.dataset` over the run's committed, intact shard files (a compacted file whole: a shard
+        replaced after its compaction is read from both; use `iter_batches` for exactly the committed rows)."""
         import pyarrow.dataset as ds  # imported here: it pulls in pandas (~0.15 s), which nothing else of the store needs
 
         return ds.dataset([str(p) for p in self.shard_paths(run_id)], schema=GROUP_SCHEMA, format="parquet")
 
     def count(self, run_id: str) -> int:
         """Groups committed in a run (from the commit log; no shard is opened)."""
-        return sum(record.rows for record in self.committed(run_id).values())
+        return self._read_log(run_id).rows
