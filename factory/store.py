@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -133,6 +134,9 @@ def parse_commit_line(line: bytes) -> CommitRecord:
     return CommitRecord.from_dict(decode_line(line))
 
 
+_GENERATIONS = itertools.count(1)
+
+
 class _LogTail:
     """What this process has parsed of one run's commit log: up to `offset` bytes, `lines` lines."""
 
@@ -140,6 +144,7 @@ class _LogTail:
 
     def __init__(self, inode: int) -> None:
         self.inode, self.offset, self.lines = inode, 0, 0
+        self.generation = next(_GENERATIONS)
         self.records: dict[str, CommitRecord] = {}
         self.files: dict[str, tuple[int, str, int]] = {}
         """Compacted files: name -> (bytes, sha256, rows). A shard not compacted is its own file (its record says)."""
@@ -642,24 +647,23 @@ class ShardStore:
         """The commit record of one shard, or None (reads only the log's new end; no copy of the history)."""
         return self._read_log(run_id).records.get(shard)
 
-    def changes(self, run_id: str, since: int = 0) -> tuple[int, list[CommitRecord]]:
-        """Records added or changed (committed, replaced, compacted) after position `since` of the run's change list.
+    def changes(self, run_id: str, cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int], list[CommitRecord]]:
+        """Records added or changed (committed, replaced, compacted) since `cursor` (None: every record).
 
-        Returns (the position to pass next time, the current records of those shards in change order, each once).
-        A follower that keeps the position costs what is new, not the history. A position from another
-        process or from before a log rewrite (repair) is not comparable: start from 0 there.
+        Returns (the cursor to pass next time, the current records of those shards in change order, each once).
+        A follower that keeps the cursor costs what is new, not the history. After the log was re-read from
+        its start (rewritten by repair) an old cursor yields every record again.
         """
         log = self._read_log(run_id)
         end = len(log.changed)
-        if since > end:
-            since = 0
+        since = cursor[1] if cursor is not None and cursor[0] == log.generation and cursor[1] <= end else 0
         seen: dict[str, CommitRecord] = {}
         for shard in log.changed[since:end]:
             record = log.records.get(shard)
             if record is not None:
                 seen.pop(shard, None)
                 seen[shard] = record
-        return end, list(seen.values())
+        return (log.generation, end), list(seen.values())
 
     def locate(self, run_id: str, shard: str) -> tuple[Path, int, int] | None:
         """(file, first row, rows) holding a committed shard's rows, following compaction; None if not committed."""

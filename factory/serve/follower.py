@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import weakref
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +27,47 @@ class NewShard:
     rows: int
     index: pa.Table
     """INDEX_COLUMNS of every row."""
+    row_offset: int = 0
+    """Where the shard's rows start in `path` (a compacted file holds many shards)."""
 
 
 def read_index(path: Path) -> pa.Table:
     return pq.read_table(path, columns=INDEX_COLUMNS)
+
+
+def locate_shard(store: ShardStore, run_id: str, shard: str) -> tuple[Path, int]:
+    """(file, first row) of a committed shard's rows, following compaction (the shard's own file if not logged)."""
+    found = store.locate(run_id, shard)
+    return (found[0], found[1]) if found else (store.shards_dir(run_id) / shard, 0)
+
+
+class IndexCache:
+    """Index columns of recently read files, so the shards of one compacted file cost one read of it."""
+
+    def __init__(self, files: int = 8) -> None:
+        self.files = files
+        self._tables: OrderedDict[Path, pa.Table] = OrderedDict()
+
+    def rows(self, path: Path, offset: int, rows: int) -> pa.Table:
+        if offset == 0 and path not in self._tables:
+            table = read_index(path)
+            if table.num_rows == rows:
+                return table
+        else:
+            table = self._tables.get(path)
+            if table is None:
+                table = read_index(path)
+        self._tables[path] = table
+        self._tables.move_to_end(path)
+        while len(self._tables) > self.files:
+            self._tables.popitem(last=False)
+        if offset + rows > table.num_rows:
+            raise OSError(f"{path} holds {table.num_rows} rows, the commit log puts rows {offset}..{offset + rows} in it")
+        return table.slice(offset, rows)
+
+
+_cursors: weakref.WeakKeyDictionary[ShardStore, dict[str, tuple[tuple[int, int] | None, set[str]]]] = weakref.WeakKeyDictionary()
+"""Per store object and run: the change-list cursor of the last scan and the shards it must look at again."""
 
 
 def runs_to_follow(store: ShardStore, follow: list[str], ingest_run: str) -> list[str]:
@@ -43,15 +82,28 @@ def runs_to_follow(store: ShardStore, follow: list[str], ingest_run: str) -> lis
 def scan_new_shards(
     store: ShardStore, runs: list[str], known: Collection[tuple[str, str]], reported: set[str]
 ) -> list[NewShard]:
-    """Committed, intact shards of `runs` not in `known`, in commit order; a bad shard is logged once and left out."""
+    """Committed, intact shards of `runs` not in `known`, in commit order; a bad shard is logged once and left out.
+
+    Each scan looks only at what the runs' logs added or changed since the previous scan with this store
+    object (and at shards that could not be read then), not at the whole history.
+    """
     found = []
+    indexes = IndexCache()
+    cursors = _cursors.setdefault(store, {})
     for run_id in runs:
         shards = store.shards_dir(run_id)
+        cursor, retry = cursors.get(run_id, (None, set()))
+        cursor, changed = store.changes(run_id, cursor)
+        pending = [record for shard in retry if (record := store.record(run_id, shard)) is not None]
+        again: set[str] = set()
+        """Shards to look at again next scan: unreadable ones, and those returned now (until the caller knows them:
+        a caller that could not index one finds it again)."""
         finished = False
-        for name, record in store.committed(run_id).items():
+        for record in {r.shard: r for r in pending + changed}.values():
+            name = record.shard
             if (run_id, name) in known:
                 continue
-            path = shards / name
+            path = shards / record.physical
             if not finished and not path.exists():
                 # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
                 # crash (finish it). Skipping it would let a retried post be stored a second time.
@@ -60,15 +112,21 @@ def scan_new_shards(
                     store.finish_commits(run_id)
                 except (OSError, StoreError) as error:
                     logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
+                record = store.record(run_id, name) or record
+                path = shards / record.physical
             try:
-                size = path.stat().st_size
-                if size != record.bytes:
-                    raise OSError(f"size is {size} bytes, commit log says {record.bytes}")
-                index = read_index(path)
+                if not record.file:
+                    size = path.stat().st_size
+                    if size != record.bytes:
+                        raise OSError(f"size is {size} bytes, commit log says {record.bytes}")
+                index = indexes.rows(path, record.row_offset, record.rows)
             except (OSError, pa.ArrowException) as error:
+                again.add(name)
                 if str(path) not in reported:
                     reported.add(str(path))
                     logger.error("shard %s left out of serving: %s", path, error)
                 continue
-            found.append(NewShard(run_id, name, path, index.num_rows, index))
+            found.append(NewShard(run_id, name, path, index.num_rows, index, record.row_offset))
+            again.add(name)
+        cursors[run_id] = (cursor, again)
     return found

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from environments.groups import ScoredGroup
 from factory.serve import numjson
 from factory.serve.config import ServeConfig
-from factory.serve.follower import NewShard, read_index, runs_to_follow, scan_new_shards
+from factory.serve.follower import IndexCache, NewShard, locate_shard, runs_to_follow, scan_new_shards
 from factory.serve.http import gzip_compress
 from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
@@ -78,6 +78,8 @@ class BatchService:
         self.queue = GroupQueue()
         self.reader = PayloadReader(int(config.payload_cache_mb * (1 << 20)))
         self.sources: dict[int, Path] = {}
+        self.row_offsets: dict[int, int] = {}
+        """First row of a source in its file, where a compaction merged it into a larger file."""
         self._known: set[tuple[str, str]] = set()
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
@@ -112,15 +114,18 @@ class BatchService:
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
         taken = self.state.taken_rows()
+        indexes = IndexCache()
         for source, run_id, shard, rows in self.state.sources():
-            path = self.store.shards_dir(run_id) / shard
+            path, offset = locate_shard(self.store, run_id, shard)
             self.sources[source] = path
+            if offset:
+                self.row_offsets[source] = offset
             self._known.add((run_id, shard))
             done = taken.get(source, set())
             if len(done) >= rows:
                 continue
             try:
-                index = read_index(path)
+                index = indexes.rows(path, offset, rows)
             except OSError as error:
                 logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path, rows - len(done), error)
                 continue
@@ -186,6 +191,8 @@ class BatchService:
                 continue
             self._stored_ids.difference_update(ids)
             self.sources[source] = shard.path
+            if shard.row_offset:
+                self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
             self._enqueue(source, shard.index)
         if shards:
@@ -533,7 +540,7 @@ class BatchService:
         return body
 
     def _read(self, keys: list[tuple[int, int]], arrow: bool, compress: bool) -> BatchBody:
-        table = self.reader.read([(self.sources[source], row) for source, row in keys])
+        table = self.reader.read([(self.sources[source], row + self.row_offsets.get(source, 0)) for source, row in keys])
         return self._encode(BatchBody(table=table), arrow, compress)
 
     async def next_batch(self, accept_gzip: bool, arrow: bool = False) -> BatchBody:
@@ -623,7 +630,8 @@ class BatchService:
         if last is None:
             return EMPTY_EXAMPLE
         async with self._lock:
-            table = await asyncio.to_thread(self.reader.read, [(self.sources[last.source], last.row)])
+            table = await asyncio.to_thread(
+                self.reader.read, [(self.sources[last.source], last.row + self.row_offsets.get(last.source, 0))])
         return encode_groups(table)[0]
 
     async def reset(self) -> None:

@@ -1,0 +1,241 @@
+"""Compaction: merge a run's committed shards into larger files, recorded in the commit log as one record.
+
+A run written by many workers is many small shards (a chunk every few
+seconds each); readers, followers and filesystems pay per file. `compact_run`
+merges committed shards, in commit order, into files of about `target_bytes`
+and appends one compaction record per merged file to the run's commit log:
+
+    {"compact": "<file>", "members": [[shard, rows, sha256], ...], "rows", "bytes", "sha256", ...}
+
+The shards keep their names and their row numbers: a member's rows are the
+rows `row_offset .. row_offset + rows` of the merged file, in the order of
+`members`, so everything keyed by (run, shard, row) (run-api's served state,
+resumed writers skipping committed chunks) stays right; `ShardStore.locate`
+says where a shard's rows are now.
+
+Steps (each safe to be killed after):
+1. the merged file is written under a hidden temporary name and fsynced, with
+   its directory; the members are read only after their size and sha256 are
+   checked against the log;
+2. under the run's lock, the members are checked to be still committed as they
+   were (not replaced meanwhile), and the record is appended (the commit point:
+   a checked line, fsynced; see commit_log.py);
+3. the merged file is renamed to its visible name;
+4. the member files are removed.
+A kill before 2 leaves a hidden temporary file (repair removes stale ones) and
+the shards as they were; after 2, the next commit, read or `repair` of the
+run finishes 3 and 4 from the log. Compaction runs beside live writers: they
+only wait for the lock during step 2.
+
+A run-api following the run when it is compacted keeps reading the member files
+it indexed before; they are gone after step 4, so restart it after a
+compaction (it then reads the shards from the merged files, and what it served
+before stays served: the served state is keyed by shard name and row).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from factory.commit_log import LogUncertain, append_line, encode_line, fsync_dir
+from factory.schema import GROUP_SCHEMA
+from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, StoreError, _sha256, _write_failure
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET_BYTES = 256 << 20
+OLD_WRITER_WINDOW = 64 << 10
+"""Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
+
+
+@dataclass
+class CompactReport:
+    run_id: str
+    files: list[str] = field(default_factory=list)
+    """Merged files committed."""
+    shards: int = 0
+    rows: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+    """Why a batch of shards was left as it was (replaced meanwhile, damaged)."""
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_in / 1e6 / self.seconds if self.seconds else 0.0
+
+
+def _reached(point: str) -> None:
+    """A named step of a compaction; the kill -9 tests replace this to die exactly here."""
+
+
+def check_writers_are_current(store: ShardStore, run_id: str) -> None:
+    """Refuse a run whose log still grows with records of a version before checked lines (and so before
+    compaction records): such a writer reads a compacted shard as missing."""
+    path = store.commit_log(run_id)
+    size = path.stat().st_size
+    with open(path, "rb") as log:
+        log.seek(max(0, size - OLD_WRITER_WINDOW))
+        tail = log.read().split(b"\n")[1 if size > OLD_WRITER_WINDOW else 0 :]
+    if any(line.strip() and b'"check": "' not in line for line in tail):
+        raise StoreError(
+            f"run {run_id} is being written by an older factory version (records without a checksum at the end of "
+            f"{path}): stop or upgrade its writers, then compact"
+        )
+
+
+def plan(records: list[CommitRecord], target_bytes: int, *, flush: bool, min_shards: int = 2) -> list[list[CommitRecord]]:
+    """Batches of not yet compacted shards, in commit order, of about `target_bytes` each.
+
+    The last, smaller batch is merged only with `flush` (otherwise it waits for more shards)."""
+    batches: list[list[CommitRecord]] = []
+    current: list[CommitRecord] = []
+    size = 0
+    for record in records:
+        if record.file:
+            continue
+        if current and size + record.bytes > target_bytes:
+            batches.append(current)
+            current, size = [], 0
+        current.append(record)
+        size += record.bytes
+    if current and (flush or size >= target_bytes):
+        batches.append(current)
+    return [batch for batch in batches if len(batch) >= min_shards]
+
+
+def compact_run(
+    store: ShardStore,
+    run_id: str,
+    *,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    flush: bool = True,
+    row_group_groups: int = 256,
+    progress: Callable[[str], None] | None = None,
+) -> CompactReport:
+    """Merge the run's shards into files of about `target_bytes` (see the module docstring)."""
+    if not store.commit_log(run_id).is_file():
+        raise StoreError(f"run {run_id} has no commit log at {store.commit_log(run_id)}; check the store root and the run id")
+    check_writers_are_current(store, run_id)
+    report = CompactReport(run_id)
+    start = time.perf_counter()
+    for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
+        name = _merge(store, run_id, batch, row_group_groups, report)
+        if name and progress:
+            progress(f"{run_id}: merged {len(batch)} shards into {name}")
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport) -> str | None:
+    shards = store.shards_dir(run_id)
+    name = f"compact-{Path(batch[0].shard).stem}-{uuid.uuid4().hex[:8]}.parquet"
+    tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+    logged = False
+    try:
+        try:
+            rows, problem = _write_merged(shards, tmp, batch, row_group_groups)
+            if problem:
+                report.skipped.append(problem)
+                logger.error("run %s: %s; those shards are left as they are", run_id, problem)
+                return None
+            size, checksum = tmp.stat().st_size, _sha256(tmp)
+            fsync_dir(shards)
+        except OSError as error:
+            raise _write_failure("writing compacted file", tmp, error) from error
+        _reached("written")
+        record = {
+            "compact": name, "run_id": run_id, "rows": rows, "bytes": size, "sha256": checksum,
+            "members": [[r.shard, r.rows, r.sha256] for r in batch],
+            "committed_at": datetime.now(timezone.utc).isoformat(),
+        }
+        with store._locked(run_id):
+            current = store.committed(run_id)
+            changed = [r.shard for r in batch if current.get(r.shard) != r]
+            if changed:
+                report.skipped.append(f"{len(changed)} shards (first {changed[0]}) were replaced while being merged")
+                return None
+            try:
+                append_line(store.commit_log(run_id), encode_line(record))
+            except LogUncertain as error:
+                logged = True  # it may be in the log: keep the file, so the next read can finish the compaction
+                store._forget_log(run_id)
+                raise StoreError(str(error), error.errno) from error
+            except OSError as error:
+                store._forget_log(run_id)
+                raise _write_failure("appending the compaction record of " + name + " to", store.commit_log(run_id), error) from error
+            logged = True
+            _reached("logged")
+            os.replace(tmp, shards / name)
+            fsync_dir(shards)
+            _reached("renamed")
+            for member in batch:
+                (shards / member.shard).unlink(missing_ok=True)
+                _reached("removing")
+            fsync_dir(shards)
+    finally:
+        if not logged:
+            tmp.unlink(missing_ok=True)
+    report.files.append(name)
+    report.shards += len(batch)
+    report.rows += rows
+    report.bytes_in += sum(r.bytes for r in batch)
+    report.bytes_out += size
+    logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
+    return name
+
+
+def _write_merged(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_groups: int) -> tuple[int, str | None]:
+    """Write the members' rows, in order, to `tmp`; (rows, None) or (0, why a member cannot be merged)."""
+    rows = 0
+    with open(tmp, "wb") as handle:
+        writer = pq.ParquetWriter(handle, GROUP_SCHEMA, write_page_checksum=True, **PARQUET_OPTIONS)
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        try:
+            for record in batch:
+                path = shards / record.shard
+                problem = ShardStore._check(path, record, True)
+                if problem:
+                    return 0, f"shard {path}: {problem}"
+                try:
+                    table = pq.read_table(path, schema=GROUP_SCHEMA, page_checksum_verification=True)
+                except (OSError, pa.ArrowException) as error:
+                    return 0, f"shard {path} is unreadable: {error}"
+                if table.num_rows != record.rows:
+                    return 0, f"shard {path} holds {table.num_rows} rows, commit log says {record.rows}"
+                pending.append(table)
+                pending_rows += table.num_rows
+                if pending_rows >= row_group_groups:
+                    writer.write_table(pa.concat_tables(pending), row_group_size=row_group_groups)
+                    rows += pending_rows
+                    pending, pending_rows = [], 0
+            if pending or rows == 0:
+                writer.write_table(pa.concat_tables(pending) if pending else GROUP_SCHEMA.empty_table(),
+                                   row_group_size=row_group_groups)
+                rows += pending_rows
+        finally:
+            writer.close()
+        handle.flush()
+        os.fsync(handle.fileno())
+    return rows, None
+
+
+def main_line(report: CompactReport) -> str:
+    return (f"{report.run_id}: merged {report.shards} shards ({report.rows} groups, {report.bytes_in / 1e6:.1f} MB) "
+            f"into {len(report.files)} files ({report.bytes_out / 1e6:.1f} MB) in {report.seconds:.1f} s "
+            f"({report.mb_per_s:.0f} MB/s)" + (f"; left as they were: {'; '.join(report.skipped)}" if report.skipped else ""))
+
+
+
