@@ -1,0 +1,205 @@
+"""Compaction and the run manifest: same groups, same (shard, row) keys, crash-safe at every step."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from factory.serve.config import ServeConfig
+from factory.serve.service import BatchService
+from factory.store import MANIFEST_NAME, ShardStore, StoreError
+from factory.store_compact import compact_run, plan
+from factory.synthetic import synthetic_groups
+
+REGISTRATION = dict(
+    wandb_group="g", wandb_project="p", batch_size=8, max_token_len=64,
+    checkpoint_dir="ckpt", save_checkpoint_interval=5, starting_step=0, num_steps=1000,
+)
+REPO = Path(__file__).resolve().parents[3]
+
+
+def fill(store: ShardStore, run: str, shards: int, per: int = 5, producer: str = "w0", start: int = 0) -> None:
+    for chunk in range(start, start + shards):
+        store.commit(run, producer, chunk, synthetic_groups(per, start=chunk * per, group_size=2, seq_len=8))
+
+
+def ids(store: ShardStore, run: str) -> list[str]:
+    return [g.group_id for g in store.iter_groups(run)]
+
+
+def glob_ids(root: Path, run: str) -> list[str]:
+    found = []
+    for path in sorted((root / run / "shards").glob("*.parquet")):
+        found += pq.read_table(path, columns=["group_id"]).column(0).to_pylist()
+    return found
+
+
+def test_compaction_keeps_every_group_in_order_and_each_shard_locatable(tmp_path):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 30)
+    before, records = ids(store, "r"), store.committed("r")
+    report = compact_run(store, "r", target_bytes=sum(r.bytes for r in records.values()) // 3)
+    assert report.shards >= 28 and len(report.files) >= 3 and report.rows == 5 * report.shards  # a last lone shard stays
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before
+    assert sorted(glob_ids(tmp_path, "r")) == sorted(before)  # glob readers: each group once, old files gone
+    assert fresh.verify("r") == []
+    assert fresh.count("r") == 150 and fresh.is_committed("r", "w0", 29)
+    for name, record in records.items():  # a shard's rows are where locate says
+        path, offset, rows = fresh.locate("r", name)
+        table = pq.read_table(path, columns=["group_id"]).slice(offset, rows)
+        assert table.column(0).to_pylist() == before[record.chunk * 5 : record.chunk * 5 + 5]
+    # A resumed writer still skips committed chunks; new chunks commit beside the compacted files.
+    assert fresh.commit("r", "w0", 3, synthetic_groups(5, start=999)).skipped
+    fill(fresh, "r", 2, start=30)
+    assert len(ids(ShardStore(tmp_path), "r")) == 160
+
+
+def test_a_shard_replaced_after_compaction_is_read_once_from_its_new_file(tmp_path):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 6)
+    compact_run(store, "r", target_bytes=1 << 30)
+    store.commit("r", "w0", 2, synthetic_groups(5, start=500, group_size=2, seq_len=8), replace=True)
+    got = ids(ShardStore(tmp_path), "r")
+    assert len(got) == 30 and len(set(got)) == 30
+    assert {g.group_id for g in synthetic_groups(5, start=500, group_size=2, seq_len=8)} <= set(got)
+
+
+def test_plan_leaves_a_small_last_batch_unless_flushed():
+    from factory.store import CommitRecord
+
+    records = [CommitRecord(f"w-{i}.parquet", "r", "w", i, 1, 100, "x", "t") for i in range(10)]
+    assert [len(b) for b in plan(records, 300, flush=False)] == [3, 3, 3]
+    assert [len(b) for b in plan(records, 300, flush=True)] == [3, 3, 3]  # a batch of one is not merged
+    assert [len(b) for b in plan(records[:8], 300, flush=True)] == [3, 3, 2]
+
+
+def test_manifest_gives_a_new_process_the_same_state_and_only_the_log_after_it_is_parsed(tmp_path, monkeypatch):
+    monkeypatch.setattr("factory.store.MANIFEST_EVERY_LINES", 10)
+    store = ShardStore(tmp_path)
+    fill(store, "r", 12)
+    compact_run(store, "r", target_bytes=1 << 30)
+    fill(store, "r", 25, start=12)
+    assert (tmp_path / "r" / MANIFEST_NAME).is_file()
+    expected = store.committed("r")
+    fresh = ShardStore(tmp_path)
+    parsed = []
+    original = ShardStore._parse_line
+    monkeypatch.setattr(ShardStore, "_parse_line", staticmethod(lambda *a: (parsed.append(1), original(*a))[1]))
+    assert fresh.committed("r") == expected
+    assert 0 < len(parsed) < 25
+    assert ids(fresh, "r") == ids(ShardStore(tmp_path), "r")
+
+
+def test_a_manifest_that_no_longer_matches_the_log_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setattr("factory.store.MANIFEST_EVERY_LINES", 5)
+    store = ShardStore(tmp_path)
+    fill(store, "r", 12)
+    log = store.commit_log("r")
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(b"".join(lines[:3]))  # the log rewritten shorter (e.g. by repair): the manifest is ahead of it
+    assert len(ShardStore(tmp_path).committed("r")) == 3
+    (tmp_path / "r" / MANIFEST_NAME).write_bytes(b"garbage")
+    assert len(ShardStore(tmp_path).committed("r")) == 3
+
+
+def test_compaction_refuses_a_run_an_old_version_still_writes(tmp_path):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 3)
+    with open(store.commit_log("r"), "ab") as log:
+        log.write(store.committed("r")["w0-00000000.parquet"].to_json().encode() + b"\n")
+    with pytest.raises(StoreError, match="older factory version"):
+        compact_run(store, "r")
+    assert len(ids(ShardStore(tmp_path), "r")) == 15
+
+
+def test_served_groups_stay_served_after_compaction_and_restart(tmp_path):
+    def batch_ids(body: bytes) -> list[str]:
+        data = orjson.loads(body)
+        return [item["group_id"] for item in data["batch"]] if data.get("batch") else []
+
+    async def scenario():
+        store = ShardStore(tmp_path)
+        fill(store, "gen", 20, per=4)
+        cfg = ServeConfig(store_root=str(tmp_path), follow_interval_s=0.05, follow_runs=["gen"], batch_metadata=True)
+        service = BatchService(cfg)
+        await service.start()
+        await service.register(REGISTRATION)
+        served = []
+        for _ in range(4):
+            served += batch_ids((await service.next_batch(False)).raw)
+        await service.stop()
+        compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30)
+        assert len(list((tmp_path / "gen" / "shards").glob("*.parquet"))) == 1
+        service = BatchService(cfg)
+        await service.start()
+        while got := batch_ids((await service.next_batch(False)).raw):
+            served += got
+        fill(ShardStore(tmp_path), "gen", 2, per=4, start=20)  # followed after the restart, beside the merged file
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if got := batch_ids((await service.next_batch(False)).raw):
+                served += got
+            if len(served) >= 88:
+                break
+        await service.stop()
+        return served
+
+    served = asyncio.run(scenario())
+    expected = [g.group_id for g in synthetic_groups(88, group_size=2, seq_len=8)]
+    assert len(served) == len(set(served)) == 88 and set(served) == set(expected)
+
+
+KILL_POINTS = ["written", "logged", "renamed", "removing"]
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 8)
+    before = ids(store, "r")
+    child = textwrap.dedent(f"""
+        import os, signal
+        import factory.store_compact as compact
+        from factory.store import ShardStore
+        def die(point):
+            if point == {point!r}:
+                os.kill(os.getpid(), signal.SIGKILL)
+        compact._reached = die
+        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30)
+    """)
+    result = subprocess.run([sys.executable, "-c", child], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode()[-2000:]
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before  # store readers: every committed group, once, in order
+    fresh.commit("r", "w0", 8, synthetic_groups(5, start=40, group_size=2, seq_len=8))  # finishes a logged compaction
+    assert sorted(glob_ids(tmp_path, "r")) == sorted(before + [g.group_id for g in synthetic_groups(5, start=40, group_size=2, seq_len=8)])
+    assert [p.kind for p in fresh.verify("r")] == []
+    compact_run(fresh, "r", target_bytes=1 << 30)  # and compacting again completes the job
+    assert ids(ShardStore(tmp_path), "r") == ids(fresh, "r") and len(ids(fresh, "r")) == 45
+
+
+def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monkeypatch):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 5)
+    before = ids(store, "r")
+    import errno
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("factory.store_compact._write_merged", full)
+    with pytest.raises(StoreError, match="disk is full"):
+        compact_run(store, "r")
+    assert ids(ShardStore(tmp_path), "r") == before
+    assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.endswith(".tmp")]
