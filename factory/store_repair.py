@@ -15,10 +15,15 @@ temporary file of a writer still working would otherwise look stale):
   `<run>/unlogged/`, out of glob readers' sight, not deleted.
 - temporary files older than `stale_tmp_s` that no record needs are deleted.
 
+- group ids stored more than once (in two shards, or twice in one): the
+  first copy in commit order is kept; each later shard holding a copy is
+  rewritten without it and committed again under its own name (a new
+  commit record replaces the old one; the data is verified before the old
+  record stops counting). Stop run-api instances following the run first:
+  they refer to rows by position, and the rows after a removed copy move up.
+
 What it cannot fix is reported, unchanged: logged shards that are missing or
-corrupt (their groups are lost unless a copy exists elsewhere) and group ids
-stored in more than one shard (removing a copy rewrites a shard, whose row
-positions run-api's served state refers to).
+corrupt (their groups are lost unless a copy exists elsewhere).
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from factory.commit_log import CommitLineError, fsync_dir, salvage_line
+from factory.schema import GROUP_SCHEMA
 from factory.store import CommitRecord, ShardProblem, ShardStore, parse_commit_line, staged_shard
 
 DEFAULT_STALE_TMP_S = 3600.0
@@ -43,17 +52,48 @@ class RepairReport:
     remaining: list[ShardProblem] = field(default_factory=list)
 
 
-def repair(store: ShardStore, run_id: str, *, stale_tmp_s: float = DEFAULT_STALE_TMP_S) -> RepairReport:
+def repair(store: ShardStore, run_id: str, *, stale_tmp_s: float = DEFAULT_STALE_TMP_S, dedupe: bool = True) -> RepairReport:
     """Repair one run of `store` (see the module docstring) and verify it again."""
     report = RepairReport(run_id)
     with store._locked(run_id):
         _repair_log(store, run_id, report)
-        for shard in store._finish_commits(run_id):
+        for shard in store._finish_commits(run_id, remove_retired=False):
             report.actions.append(f"finished the interrupted commit of {shard} (renamed from its temporary file)")
+        for shard in store._remove_retired(run_id):
+            report.actions.append(f"removed {shard}: a logged compaction merged its rows into another file")
         _hide_unlogged(store, run_id, report)
         _remove_stale_temporaries(store, run_id, stale_tmp_s, report)
+    if dedupe:
+        _remove_duplicates(store, run_id, report)  # commits, so outside the lock (commit takes it)
     report.remaining = store.verify(run_id)
     return report
+
+
+def _remove_duplicates(store: ShardStore, run_id: str, report: RepairReport) -> None:
+    """Rewrite each shard that holds a group id already stored earlier (in commit order) without those rows."""
+    seen: set[str] = set()
+    shards = store.shards_dir(run_id)
+    for record in list(store.committed(run_id).values()):
+        path = shards / record.physical
+        damaged = not path.exists() if record.file else store._check(path, record, True) is not None
+        if damaged:
+            continue  # missing or damaged: verify reports it; its ids are not counted as stored
+        try:
+            table = pq.read_table(path).slice(record.row_offset, record.rows)
+        except (OSError, pa.ArrowException):
+            continue
+        ids = table.column("group_id").to_pylist()
+        keep = []
+        for group_id in ids:
+            keep.append(group_id not in seen)
+            seen.add(group_id)
+        if all(keep):
+            continue
+        kept = table.filter(pa.array(keep))
+        store.commit(run_id, record.producer, record.chunk, kept.cast(GROUP_SCHEMA), replace=True)
+        report.actions.append(
+            f"rewrote {record.shard} without {len(ids) - kept.num_rows} group ids stored earlier (kept {kept.num_rows} rows)"
+        )
 
 
 def _repair_log(store: ShardStore, run_id: str, report: RepairReport) -> None:

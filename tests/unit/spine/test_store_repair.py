@@ -82,10 +82,11 @@ def test_repair_fixes_what_it_can_and_loses_no_committed_group(store_root):
     assert any("kept the record of w0-00000001.parquet" in a for a in report.actions)
     assert any("moved unlogged shard w0-00000009.parquet" in a for a in report.actions)
     assert any(paths["stale"] in a for a in report.actions)
-    assert sorted(p.kind for p in report.remaining) == ["duplicate", "missing"]  # reported, not fixable here
+    assert any("rewrote w0-00000003.parquet without 2 group ids stored earlier" in a for a in report.actions)
+    assert sorted(p.kind for p in report.remaining) == ["missing"]  # reported, not fixable here
     after = ShardStore(store_root)
     ids = [g.group_id for g in after.iter_groups("run")]
-    assert set(ids) == committed_before
+    assert set(ids) == committed_before and len(ids) == len(set(ids))  # each committed group exactly once
     assert globbed(after) == sorted(ids)  # the unlogged shard is out of the glob
     assert (after.run_dir("run") / "unlogged" / "w0-00000009.parquet").exists()
     assert (after.run_dir("run") / "commits.jsonl.damaged").read_bytes().startswith(b'{"bytes"')
@@ -102,6 +103,6 @@ def test_store_cli_verify_and_repair(store_root, capsys):
     assert store_cli(["verify", str(store_root), "run"]) == 1
     out = capsys.readouterr().out
     assert "run: unlogged:" in out and "run: missing:" in out
-    assert store_cli(["repair", str(store_root), "run"]) == 1  # the lost shard and the duplicates remain
+    assert store_cli(["repair", str(store_root), "run"]) == 1  # the lost shard remains
     out = capsys.readouterr().out
-    assert "run: repaired: moved unlogged shard" in out and "2 problems" in out
+    assert "run: repaired: moved unlogged shard" in out and "1 problems" in out
