@@ -1,4 +1,4 @@
-"""`factory-store verify|repair ROOT [RUN ...]`: check a store's runs, or fix what can be fixed.
+"""`factory-store verify|repair|compact ROOT [RUN ...]`: check a store's runs, fix what can be fixed, or merge small shards.
 
 Exit status 0 when every run checked is consistent (after repair, for
 `repair`), 1 when problems remain, 2 for bad arguments.
@@ -10,17 +10,20 @@ import argparse
 import logging
 import sys
 
-from factory.store import ShardStore
+from factory.store import ShardStore, StoreError
+from factory.store_compact import compact_run, main_line
 from factory.store_repair import DEFAULT_STALE_TMP_S, repair
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="factory-store", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["verify", "repair"])
+    parser.add_argument("command", choices=["verify", "repair", "compact"])
     parser.add_argument("root", help="the store's root directory")
     parser.add_argument("runs", nargs="*", help="run ids (default: every run in the store)")
     parser.add_argument("--stale-tmp-s", type=float, default=DEFAULT_STALE_TMP_S,
                         help="repair: delete temporary files older than this many seconds (default %(default)s)")
+    parser.add_argument("--target-mb", type=float, default=256, help="compact: size of the merged files (default %(default)s)")
+    parser.add_argument("--flush", action="store_true", help="compact: also merge a last batch under the target size")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     store = ShardStore(args.root)
@@ -33,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         if not store.commit_log(run_id).exists():
             print(f"{run_id}: no commit log at {store.commit_log(run_id)}; is {store.root} the store's root?")
             bad += 1
+            continue
+        if args.command == "compact":
+            try:
+                print(main_line(compact_run(store, run_id, target_bytes=int(args.target_mb * (1 << 20)), flush=args.flush)))
+            except (StoreError, OSError) as error:
+                print(f"factory-store: error: {error}", file=sys.stderr)
+                bad += 1
             continue
         if args.command == "repair":
             report = repair(store, run_id, stale_tmp_s=args.stale_tmp_s)

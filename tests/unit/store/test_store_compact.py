@@ -203,3 +203,20 @@ def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monke
         compact_run(store, "r")
     assert ids(ShardStore(tmp_path), "r") == before
     assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_compact_task_function_and_cli(tmp_path, capsys):
+    from factory.store_cli import main as store_cli
+    from tasks.compact import compact_one_run
+
+    store = ShardStore(tmp_path)
+    fill(store, "a", 4)
+    fill(store, "b", 4)
+    report = compact_one_run(str(tmp_path), "a", target_bytes=1 << 30, flush=True)
+    assert report["shards"] == 4 and report["rows"] == 20 and "merged 4 shards" in report["summary"]
+    assert store_cli(["compact", str(tmp_path), "b", "--flush"]) == 0
+    assert store_cli(["compact", str(tmp_path), "nope"]) == 1
+    assert store_cli(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "b: merged 4 shards" in out and "nope: no commit log" in out
+    assert len(list((tmp_path / "b" / "shards").glob("*.parquet"))) == 1

@@ -1,0 +1,53 @@
+"""`compact`: merge the small shards of a store's runs into larger files, beside live datagen and serving.
+
+    python -m flows.compact --store-root data/store --runs run-1 run-2 --target-mb 256
+    python -m flows.compact --store-root data/store --flush      # every run, including a last file under target
+
+Each run's merge is recorded in its commit log (factory/store_compact.py): readers see every group once before,
+during and after, a kill at any point is finished or undone by the next reader, and run-api's served state (keyed
+by shard and row) stays right. Restart a run-api that follows a compacted run to let it read the merged files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from factory.store import ShardStore, StoreError
+from tasks.compact import compact_run_task
+
+
+@flow(name="compact", log_prints=False)
+def compact(store_root: str, runs: list[str] | None = None, target_mb: int = 256, flush: bool = False) -> list[dict[str, Any]]:
+    """Compact `runs` of the store (default: every run) into files of about `target_mb`; returns one report per run."""
+    logger = get_run_logger()
+    store = ShardStore(store_root)
+    names = runs or store.runs()
+    missing = [run for run in names if not store.commit_log(run).is_file()]
+    if missing:
+        raise StoreError(f"run(s) {missing} have no commit log under {store.root}; runs there: {store.runs() or 'none'}")
+    reports = []
+    for run in names:
+        report = compact_run_task(store_root, run, target_bytes=target_mb << 20, flush=flush)
+        logger.info("%s", report["summary"])
+        reports.append(report)
+    return reports
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m flows.compact", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store-root", required=True)
+    parser.add_argument("--runs", nargs="*", default=None)
+    parser.add_argument("--target-mb", type=int, default=256)
+    parser.add_argument("--flush", action="store_true", help="also merge a last batch smaller than the target")
+    args = parser.parse_args(argv)
+    compact(args.store_root, args.runs, args.target_mb, args.flush)
+
+
+if __name__ == "__main__":
+    from factory.cli_errors import run_cli
+
+    sys.exit(run_cli("flows.compact", main, sys.argv[1:]))
