@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from factory.store import CommitRecord, ShardStore, parse_commit_line
+from factory.store import CommitRecord, ShardStore
 from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
 from factory.viewer.query import Filters
 
@@ -128,9 +128,9 @@ class RunIndex:
         self._columns: Columns | None = None
         self._envs, self._families = Codes(), Codes()
         self._columns_built: tuple[list[str], Columns | None] = ([], None)
-        self._log_key: tuple[int, int] | None = None
-        self._log_inode: int | None = None
-        self._log_offset = 0
+        self._cursor: tuple[int, int] | None = None
+        self._merged: tuple[Path, pl.DataFrame] | None = None
+        """The index of the last compacted file read: its shards are indexed from one read."""
         self._seq = 0
         self._order: dict[str, int] = {}
         self._pending: dict[str, CommitRecord] = {}
@@ -171,28 +171,13 @@ class RunIndex:
         return len(self._pending)
 
     def _read_log(self) -> None:
-        log = self.store.commit_log(self.run_id)
-        try:
-            stat = log.stat()
-        except FileNotFoundError:
-            return
-        if (stat.st_ino, stat.st_size) == self._log_key:
-            return
-        if self._log_inode is not None and (stat.st_ino != self._log_inode or stat.st_size < self._log_offset):
-            self._reset()
-        self._log_inode = stat.st_ino
-        with open(log, "rb") as handle:
-            handle.seek(self._log_offset)
-            data = handle.read(stat.st_size - self._log_offset)
-        complete = data[: data.rfind(b"\n") + 1]
-        self._log_offset += len(complete)
-        self._log_key = (stat.st_ino, self._log_offset) if self._log_offset == stat.st_size else None
-        for line in complete.splitlines():
-            try:
-                record = parse_commit_line(line)
-            except (ValueError, TypeError) as error:
-                logger.error("%s: unreadable commit record left out: %s", log, error)
-                continue
+        # What the run's log added or changed since the last look (the store reads its manifest and the log after
+        # it): a compaction shows up as its shards changed (their rows moved into a merged file) and re-indexes them.
+        cursor, records = self.store.changes(self.run_id, self._cursor)
+        if self._cursor is not None and cursor[0] != self._cursor[0]:
+            self._reset()  # the log was re-read from its start (rewritten): every record comes again
+        self._cursor = cursor
+        for record in records:
             # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
             self._seq += 1
             self._order[record.shard] = self._seq
@@ -212,23 +197,28 @@ class RunIndex:
         self._pending.clear()
         self._order.clear()
         self._frame = self._columns = None
-        self._log_offset = 0
-        self._log_key = None
+        self._cursor = None
 
     def _add(self, record: CommitRecord) -> int:
-        path = self.store.shards_dir(self.run_id) / record.shard
+        path = self.store.shards_dir(self.run_id) / record.physical
         self.problems.pop(str(path), None)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             self.problems[str(path)] = "missing"
             return 0
-        if size != record.bytes:
+        if size != record.bytes and not record.file:
             self.problems[str(path)] = f"size is {size} bytes, commit log says {record.bytes}"
             return 0
         entry = ShardEntry(len(self.by_id), record, path, record.rows)
         try:
-            frame = index_shard(path, entry.shard_id)
+            if record.file:  # rows row_offset.. of a merged file; "row" stays the row in that file
+                if self._merged is None or self._merged[0] != path:
+                    self._merged = (path, index_shard(path, 0))
+                frame = self._merged[1].slice(record.row_offset, record.rows).with_columns(
+                    pl.lit(entry.shard_id, dtype=pl.UInt32).alias("shard"))
+            else:
+                frame = index_shard(path, entry.shard_id)
         except (OSError, pa.ArrowException) as error:
             self.problems[str(path)] = f"unreadable: {error}"
             logger.error("shard %s left out of the viewer: %s", path, error)
