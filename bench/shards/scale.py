@@ -1,0 +1,235 @@
+"""Shard store at scale (issue 34): run-api start-up, follow latency, drain rate, export and viewer first page on
+stores of many small shards, before and after compaction.
+
+    python -m bench.shards.scale --shards 10000 100000       # each size in turn (~15 kB shards: 10 groups of 4 x 64)
+    python -m bench.shards.scale --smoke                      # 300 shards, seconds
+
+A store is built synthetically (shards written and logged directly, like `ShardStore.commit` minus the per-shard
+fsync, which only makes building slow); each measurement runs in its own process (a cold start, as a restart is).
+Measured per size, before and after `compact_run`:
+
+- start-up (fresh): run-api following the run with an empty served state, until `start()` returns (every shard indexed);
+- restart: again with the served state the fresh start left (what a restart after a crash or deploy costs);
+- follow latency: a shard committed by another process until run-api has queued it (median of 5; follow interval 0.1 s);
+- drain: /batch bodies of 256 sequences per second (first 200 batches);
+- export: groups/s of the export's store source (`iter_store_groups`, metadata columns), first 200k groups;
+- viewer first page: a new `RunIndex` refreshed with the viewer's 0.5 s budget, then the first 50 rows read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUN = "gen"
+GROUPS_PER_SHARD = 10
+
+
+def build_store(root: Path, shards: int, group_size: int = 4, seq_len: int = 64) -> dict:
+    """`shards` committed shards of GROUPS_PER_SHARD distinct groups each, logged as `ShardStore.commit` logs them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from environments.groups import make_group_id
+    from factory.schema import GROUP_SCHEMA, groups_to_record_batch
+    from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, _sha256, shard_name
+    from factory.synthetic import synthetic_groups
+
+    store = ShardStore(root)
+    shards_dir = store.shards_dir(RUN)
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    template = pa.Table.from_batches([groups_to_record_batch(list(synthetic_groups(GROUPS_PER_SHARD, group_size=group_size, seq_len=seq_len, env="bench")))])
+    ids_at, keys_at = template.schema.get_field_index("group_id"), template.schema.get_field_index("item_key")
+    start = time.perf_counter()
+    lines = []
+    total = 0
+    for chunk in range(shards):
+        keys = [f"item-{chunk * GROUPS_PER_SHARD + i}" for i in range(GROUPS_PER_SHARD)]
+        table = template.set_column(ids_at, "group_id", pa.array([make_group_id("bench", k, 0, 0) for k in keys]))
+        table = table.set_column(keys_at, "item_key", pa.array(keys)).cast(GROUP_SCHEMA)
+        name = shard_name("w0", chunk)
+        path = shards_dir / name
+        pq.write_table(table, path, write_page_checksum=True, row_group_size=256, **PARQUET_OPTIONS)
+        size = path.stat().st_size
+        total += size
+        lines.append(CommitRecord(name, RUN, "w0", chunk, GROUPS_PER_SHARD, size, _sha256(path), "2026-11-25T00:00:00+00:00").to_line())
+    store.commit_log(RUN).write_bytes(b"".join(lines))
+    return {"seconds": time.perf_counter() - start, "bytes": total}
+
+
+def _service_config(root: str, state: str):
+    from factory.serve.config import ServeConfig
+
+    return ServeConfig(store_root=root, follow_runs=[RUN], follow_interval_s=0.1, state_path=state, batch_metadata=False)
+
+
+REGISTRATION = dict(wandb_group="g", wandb_project="p", batch_size=256, max_token_len=64, checkpoint_dir="ckpt",
+                    save_checkpoint_interval=0, starting_step=0, num_steps=10**6)
+
+
+def measure_serve(root: str, state: str, next_chunk: int, drain: bool) -> dict:
+    """Start-up, follow latency and (optionally) drain rate of one run-api process life."""
+    from factory.serve.service import BatchService
+    from factory.store import ShardStore
+    from factory.synthetic import synthetic_groups
+
+    async def scenario() -> dict:
+        begin = time.perf_counter()
+        service = BatchService(_service_config(root, state))
+        await service.start()
+        startup = time.perf_counter() - begin
+        result = {"startup_s": startup, "queued": service.queue.groups, "rss_mib": _rss()}
+        writer = ShardStore(root)
+        latencies = []
+        for index in range(5):
+            chunk = next_chunk + index
+            record = await asyncio.to_thread(
+                writer.commit, RUN, "w1", chunk, synthetic_groups(GROUPS_PER_SHARD, start=10**8 + chunk * 100, group_size=4, seq_len=64, env="bench"))
+            committed = time.perf_counter()
+            while (RUN, record.shard) not in service._known:
+                await asyncio.sleep(0.005)
+            latencies.append(time.perf_counter() - committed)
+        result["follow_latency_s"] = statistics.median(latencies)
+        if drain:
+            await service.register(REGISTRATION)
+            begin, batches = time.perf_counter(), 0
+            while batches < 200:
+                body = await service.next_batch(False)
+                if body.table is None:  # no batch (the queue is drained)
+                    break
+                batches += 1
+            result["drain_batches_per_s"] = batches / (time.perf_counter() - begin)
+            result["drain_batches"] = batches
+        await service.stop()
+        return result
+
+    return asyncio.run(scenario())
+
+
+def measure_export(root: str, limit: int = 200_000) -> dict:
+    from factory.export.config import SourceConfig
+    from factory.export.source import iter_store_groups
+
+    begin, rows = time.perf_counter(), 0
+    for _ in iter_store_groups(SourceConfig(store=root, runs=[RUN]), need_tokens=False):
+        rows += 1
+        if rows >= limit:
+            break
+    seconds = time.perf_counter() - begin
+    return {"export_groups": rows, "export_s": seconds, "export_groups_per_s": rows / seconds}
+
+
+def measure_viewer(root: str) -> dict:
+    from factory.store import ShardStore
+    from factory.viewer.index import RunIndex
+
+    begin = time.perf_counter()
+    index = RunIndex(ShardStore(root), RUN)
+    index.refresh(budget_s=0.5)
+    frame = index.frame
+    frame = frame() if callable(frame) else frame
+    rows = index.read_rows(frame.head(50), ["group_id", "item_key"])
+    return {"viewer_first_page_s": time.perf_counter() - begin, "viewer_rows": len(rows), "viewer_pending": index.pending}
+
+
+def compact(root: str, target_mb: float) -> dict:
+    from factory.store import ShardStore
+    from factory.store_compact import compact_run
+
+    report = compact_run(ShardStore(root), RUN, target_bytes=int(target_mb * (1 << 20)), flush=True)
+    return {"compact_s": report.seconds, "compact_mb_per_s": report.mb_per_s, "compact_files": len(report.files),
+            "compact_shards": report.shards, "bytes_in": report.bytes_in, "bytes_out": report.bytes_out}
+
+
+def _rss() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _isolated(function, *args) -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
+
+
+def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool) -> list[dict]:
+    call = _isolated if isolate else (lambda f, *a: f(*a))
+    root = scratch / f"store-{shards}"
+    shutil.rmtree(root, ignore_errors=True)
+    built = call(build_store, root, shards)
+    print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.0f} s", flush=True)
+    rows = []
+    next_chunk = 0
+    for phase in ("before", "after"):
+        if phase == "after":
+            done = call(compact, str(root), target_mb)
+            print(f"# compaction: {json.dumps(done)}", flush=True)
+        state = str(scratch / f"state-{shards}.sqlite")
+        if phase == "before":
+            Path(state).unlink(missing_ok=True)
+        row = {"shards": shards, "phase": phase}
+        if phase == "before":
+            fresh = call(measure_serve, str(root), state, next_chunk, True)
+            row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
+                       drain_batches_per_s=fresh["drain_batches_per_s"], idle_rss_mib=fresh["rss_mib"])
+            next_chunk += 5
+        else:
+            fresh_state = str(scratch / f"state-{shards}-fresh.sqlite")
+            Path(fresh_state).unlink(missing_ok=True)
+            fresh = call(measure_serve, str(root), fresh_state, next_chunk, True)
+            row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
+                       drain_batches_per_s=fresh["drain_batches_per_s"], idle_rss_mib=fresh["rss_mib"])
+            next_chunk += 5
+            Path(fresh_state).unlink(missing_ok=True)
+        again = call(measure_serve, str(root), state, next_chunk, False)  # the served state of the "before" life
+        next_chunk += 5
+        row["restart_s"] = again["startup_s"]
+        row.update(call(measure_export, str(root)))
+        row.update(call(measure_viewer, str(root)))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--target-mb", type=float, default=128)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="300 shards, in-process")
+    parser.add_argument("--json-out", default=None, help="append one JSON line per size and phase")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shards = [300]
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-shard-scale-"))
+    rows = []
+    try:
+        for shards in args.shards:
+            rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke)
+    finally:
+        if not args.dir:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if args.json_out:
+        with open(args.json_out, "a") as out:
+            for row in rows:
+                out.write(json.dumps(row) + "\n")
+    print("\n| shards | phase | start-up fresh s | restart s | follow latency s | drain batches/s | export groups/s "
+          "| viewer first page s | idle RSS MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['shards']:,} | {r['phase']} | {r['startup_fresh_s']:.2f} | {r['restart_s']:.2f} | "
+              f"{r['follow_latency_s']:.3f} | {r['drain_batches_per_s']:.1f} | {r['export_groups_per_s']:,.0f} | "
+              f"{r['viewer_first_page_s']:.2f} | {r['idle_rss_mib']:.0f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
