@@ -151,6 +151,18 @@ def compact(root: str, target_mb: float) -> dict:
             "compact_shards": report.shards, "bytes_in": report.bytes_in, "bytes_out": report.bytes_out}
 
 
+def compaction_throughput(root: str, groups: int, chunk: int, target_mb: float) -> dict:
+    """MB/s of shards merged, on shards of `chunk` groups of 8 x 1024 tokens (the shape of bench/shards/run.py)."""
+    from bench.shards.run import store_write
+    from factory.store import ShardStore
+    from factory.store_compact import compact_run
+
+    written = store_write(root, groups, 8, 1024, chunk)
+    report = compact_run(ShardStore(root), "bench", target_bytes=int(target_mb * (1 << 20)), flush=True)
+    return {"groups": groups, "shards": report.shards, "mb_in": report.bytes_in / 1e6, "files": len(report.files),
+            "compact_s": report.seconds, "compact_mb_per_s": report.mb_per_s, "write_mb_per_s": written["bytes"] / 1e6 / written["seconds"]}
+
+
 def _rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -207,10 +219,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="300 shards, in-process")
     parser.add_argument("--json-out", default=None, help="append one JSON line per size and phase")
+    parser.add_argument("--throughput", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=None,
+                        help="only measure compaction MB/s on GROUPS groups of 8 x 1024 tokens, CHUNK groups per shard")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards = [300]
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-shard-scale-"))
+    if args.throughput:
+        root = scratch / "throughput"
+        shutil.rmtree(root, ignore_errors=True)
+        try:
+            result = _isolated(compaction_throughput, str(root), *args.throughput, args.target_mb)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(json.dumps(result))
+        return None
     rows = []
     try:
         for shards in args.shards:
