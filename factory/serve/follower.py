@@ -35,10 +35,27 @@ def read_index(path: Path) -> pa.Table:
     return pq.read_table(path, columns=INDEX_COLUMNS)
 
 
-def locate_shard(store: ShardStore, run_id: str, shard: str) -> tuple[Path, int]:
-    """(file, first row) of a committed shard's rows, following compaction (the shard's own file if not logged)."""
-    found = store.locate(run_id, shard)
-    return (found[0], found[1]) if found else (store.shards_dir(run_id) / shard, 0)
+class Locator:
+    """(file, first row) of committed shards' rows, following compaction, from one snapshot of each run's log.
+
+    For a start-up that resolves every indexed shard: one read of each run's log state, one Path per file.
+    """
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+        self._records: dict[str, dict] = {}
+        self._paths: dict[tuple[str, str], Path] = {}
+
+    def locate(self, run_id: str, shard: str) -> tuple[Path, int]:
+        records = self._records.get(run_id)
+        if records is None:
+            records = self._records[run_id] = self.store.committed(run_id)
+        record = records.get(shard)
+        name, offset = (record.physical, record.row_offset) if record is not None else (shard, 0)
+        path = self._paths.get((run_id, name))
+        if path is None:
+            path = self._paths[(run_id, name)] = self.store.shards_dir(run_id) / name
+        return path, offset
 
 
 class IndexCache:

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from environments.groups import ScoredGroup
 from factory.serve import numjson
 from factory.serve.config import ServeConfig
-from factory.serve.follower import IndexCache, NewShard, locate_shard, runs_to_follow, scan_new_shards
+from factory.serve.follower import IndexCache, Locator, NewShard, runs_to_follow, scan_new_shards
 from factory.serve.http import gzip_compress
 from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
@@ -114,9 +114,9 @@ class BatchService:
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
         taken = self.state.taken_rows()
-        indexes = IndexCache()
+        indexes, locator = IndexCache(), Locator(self.store)
         for source, run_id, shard, rows in self.state.sources():
-            path, offset = locate_shard(self.store, run_id, shard)
+            path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
             if offset:
                 self.row_offsets[source] = offset

@@ -55,12 +55,28 @@ _CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
 _RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
 
 
-def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
-    """The index rows of one shard: reads the small columns and the tokens column's list lengths."""
+def index_shard(path: Path, shard_id: int, rows: tuple[int, int] | None = None) -> pl.DataFrame:
+    """The index rows of one shard: reads the small columns and the tokens column's list lengths.
+
+    `rows` (first, count): only those rows of the file (a shard inside a compacted file), reading only the row
+    groups that hold them; "row" is still the row in the file.
+    """
     parquet = pq.ParquetFile(path, page_checksum_verification=True)
     names = set(parquet.schema_arrow.names)
     columns = INDEX_COLUMNS + (["difficulty"] if "difficulty" in names else [])
-    table = parquet.read(columns=columns)
+    first = 0
+    if rows is None:
+        table = parquet.read(columns=columns)
+    else:
+        starts, total = [], 0
+        for number in range(parquet.metadata.num_row_groups):
+            starts.append(total)
+            total += parquet.metadata.row_group(number).num_rows
+        low, high = _row_group_of(starts, rows[0]), _row_group_of(starts, max(rows[0], rows[0] + rows[1] - 1))
+        first = starts[low] if starts else 0
+        table = parquet.read_row_groups(list(range(low, high + 1)), columns=columns) if starts else parquet.read(columns=columns)
+        table = table.slice(rows[0] - first, rows[1])
+        first = rows[0]
     tokens_type = table.schema.field("tokens").type
     tokens = table.column("tokens").combine_chunks() if table.num_rows else pa.array([], type=tokens_type)
     sequence_lengths = pc.list_value_length(tokens.flatten()).cast(pa.int32())
@@ -71,7 +87,7 @@ def index_shard(path: Path, shard_id: int) -> pl.DataFrame:
     family, difficulty = label_expressions("difficulty" in names)
     return frame.select(
         pl.lit(shard_id, dtype=pl.UInt32).alias("shard"),
-        pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"),
+        (pl.int_range(pl.len(), dtype=pl.UInt32) + first).cast(pl.UInt32).alias("row"),
         "group_id", "env", "item_key",
         family.alias("family"),
         difficulty.alias("difficulty"),
@@ -129,8 +145,6 @@ class RunIndex:
         self._envs, self._families = Codes(), Codes()
         self._columns_built: tuple[list[str], Columns | None] = ([], None)
         self._cursor: tuple[int, int] | None = None
-        self._merged: tuple[Path, pl.DataFrame] | None = None
-        """The index of the last compacted file read: its shards are indexed from one read."""
         self._seq = 0
         self._order: dict[str, int] = {}
         self._pending: dict[str, CommitRecord] = {}
@@ -213,10 +227,7 @@ class RunIndex:
         entry = ShardEntry(len(self.by_id), record, path, record.rows)
         try:
             if record.file:  # rows row_offset.. of a merged file; "row" stays the row in that file
-                if self._merged is None or self._merged[0] != path:
-                    self._merged = (path, index_shard(path, 0))
-                frame = self._merged[1].slice(record.row_offset, record.rows).with_columns(
-                    pl.lit(entry.shard_id, dtype=pl.UInt32).alias("shard"))
+                frame = index_shard(path, entry.shard_id, (record.row_offset, record.rows))
             else:
                 frame = index_shard(path, entry.shard_id)
         except (OSError, pa.ArrowException) as error:
