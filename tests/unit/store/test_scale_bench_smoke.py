@@ -1,0 +1,17 @@
+"""`python -m bench.shards.scale --smoke` still runs every measurement, before and after compaction."""
+
+from __future__ import annotations
+
+import json
+
+from bench.shards import scale
+
+
+def test_scale_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    scale.main(["--smoke", "--dir", str(tmp_path / "scratch"), "--json-out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["before", "after"]
+    for row in rows:
+        assert row["export_groups"] >= 3000 and row["viewer_rows"] == 50 and row["follow_latency_s"] < 5
+    assert "| 300 | after |" in capsys.readouterr().out
