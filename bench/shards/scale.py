@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import resource
 import shutil
 import statistics
