@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections import Counter, deque
@@ -79,6 +80,7 @@ class BatchService:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self._store: ShardStore | None = None
+        self._loading = threading.Lock()
         self.state = ServedState(config.resolved_state_path())
         self.queue = GroupQueue()
         self._reader: PayloadReader | None = None
@@ -107,11 +109,13 @@ class BatchService:
     @property
     def store(self) -> ShardStore:
         if self._store is None:
-            from factory.serve.ingest import limit_allocator_growth
-            from factory.store import ShardStore
+            with self._loading:  # the follower's thread and the first post's may both get here
+                if self._store is None:
+                    from factory.serve.ingest import limit_allocator_growth
+                    from factory.store import ShardStore
 
-            limit_allocator_growth()  # before pyarrow allocates anything
-            self._store = ShardStore(self.config.store_root)
+                    limit_allocator_growth()  # before pyarrow allocates anything
+                    self._store = ShardStore(self.config.store_root)
         return self._store
 
     @property
