@@ -39,6 +39,7 @@ from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.contract import SEQUENCE_FIELDS
 from factory.serve.http import gzip_compress
+from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.queue import GroupQueue
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
@@ -221,6 +222,7 @@ class BatchService:
         logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
 
     async def start(self) -> None:
+        limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)
         self._running = True
         if self._may_have_shards():
             self._add_shards(await asyncio.to_thread(self._scan))
@@ -670,8 +672,6 @@ class BatchService:
                 entries = self._form()
                 if entries is None:
                     if not self.queue.groups and self._reader is not None and self._reader.clear():
-                        from factory.serve.ingest import return_free_memory
-
                         return_free_memory()  # drained: RSS goes back towards idle, not stay at the drain's peak
                     return BatchBody(NO_BATCH)
                 self.queue.reserve(entries)
