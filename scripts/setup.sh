@@ -9,7 +9,7 @@ if [ "${FACTORY_SKIP_APT:-0}" != "1" ] && command -v apt-get >/dev/null; then
   need=()
   # slurmctld slurmd slurm-client munge: the one-node SLURM of tests/integration/test_inference_slurm.py
   # chromium chromium-driver: the headless browser of tests/integration/test_viewer_browser.py
-  # gcc: compiles factory/serve/numjson.c, the batching API's native number reader (optional at run time)
+  # gcc: builds factory/serve/numjson.c at install time (setup.py), the batching API's native number reader (optional)
   for pkg in ${FACTORY_APT_PACKAGES-slurmctld slurmd slurm-client munge chromium chromium-driver gcc}; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done

@@ -23,7 +23,6 @@ import pyarrow.compute as pc
 from environments.groups import MASK_IGNORE, content_group_id, content_group_id_of_texts
 from factory.export.config import SourceConfig
 from factory.schema import ARROW_STREAM
-from factory.store import ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +168,8 @@ def iter_store_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iter
     `need_tokens=False` skips reading the token and mask columns (the bulk of
     a shard) when no length limit or token decoding needs them.
     """
+    from factory.store import ShardStore  # not imported by API exports (their start-up)
+
     columns = _META_COLUMNS + (["tokens", "masks"] if need_tokens else [])
     store = ShardStore(config.store)
     runs = config.runs or store.runs()
@@ -410,6 +411,8 @@ def check_store_source(config: SourceConfig) -> None:
     so a command can refuse before it starts a flow run."""
     if config.api_url:
         return
+    from factory.store import ShardStore
+
     store = ShardStore(config.store)
     known = store.runs()
     if not known:

@@ -20,10 +20,9 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from factory.export.config import OutputConfig
-from factory.store import fsync_path
+from factory.commit_log import fsync_dir as fsync_path  # a file or a directory (factory.store's fsync_path)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,8 @@ class _ShardFile:
     def __init__(self, path: Path, fmt: str, schema: pa.Schema) -> None:
         self.path, self.fmt, self.schema, self.rows = path, fmt, schema, 0
         self.handle = open(path, "wb")
+        import pyarrow.parquet as pq  # only Parquet outputs need it (not on the JSON lines CLIs' start-up path)
+
         self.parquet = pq.ParquetWriter(self.handle, schema, compression="zstd") if fmt == "parquet" else None
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -53,6 +54,8 @@ class _ShardFile:
     def copy_from(self, source: Path) -> None:
         """Write an existing output's rows first (append to a single file)."""
         if self.parquet is not None:
+            import pyarrow.parquet as pq
+
             existing = pq.ParquetFile(source)
             if not existing.schema_arrow.remove_metadata().equals(self.schema.remove_metadata()):
                 raise ValueError(
@@ -113,6 +116,8 @@ class DatasetWriter:
     def _check_append_schema(self) -> None:
         existing = sorted(self.final.glob(f"part-*.{self.fmt}"))
         if self.fmt == "parquet" and existing:
+            import pyarrow.parquet as pq
+
             names = pq.read_schema(existing[0]).names
             if names != self.schema.names:
                 raise ValueError(

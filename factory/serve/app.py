@@ -27,13 +27,11 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from environments.groups import ScoredGroup
-from factory.schema import ARROW_STREAM
 from factory.serve.backpressure import IngestBudget, Overloaded
 from factory.serve.config import ServeConfig
+from factory.serve.contract import ARROW_STREAM, PayloadError, WireError, prefers_arrow
 from factory.serve.http import BodyError, FastPosts, RequestGuard, accepts_gzip, gzip_size_hint, inflate_gzip, json_response
-from factory.serve.payload import PayloadError, prefers_arrow
 from factory.serve.service import BatchService
-from factory.serve.wire import WireError, decode_groups
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +254,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
 
     def decode(body: bytes, gzipped: bool, key: str | None, many: bool, arrival: Any) -> Any:
         """In a worker thread: gunzip, decode and check the body, and build its Arrow rows."""
+        from factory.serve.wire import decode_groups  # pyarrow: loaded by ready_for_posts already
+
         service.announce(arrival)
         if gzipped:
             body = inflate_gzip(body, max_body)
@@ -264,6 +264,11 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
 
     async def ingest(body: bytes, gzipped: bool, key: str | None, many: bool) -> Response:
         """Store a /scored_data(_list) body (gzipped or not); the 200 comes once its groups are durable."""
+        try:
+            await service.ready_for_posts()
+        except STORAGE_ERRORS as error:
+            logger.error("the store cannot take posts: %s", error)
+            return unavailable(f"groups not stored, retry later: {error}")
         try:
             async with budget.reserve(gzip_size_hint(body, max_body) if gzipped else len(body)):
                 with service.arriving() as arrival:  # the next commit lingers for this body while it is decoded

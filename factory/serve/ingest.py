@@ -17,8 +17,6 @@ never waits: nobody else is on the way.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -27,48 +25,29 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.store import CommitRecord, ShardStore, StoreError, shard_name
 
 logger = logging.getLogger(__name__)
 
-_M_ARENA_MAX = -8
 TRIM_EVERY_BYTES = 64 << 20
 """Give freed heap back to the OS after about this many bytes of groups were committed."""
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim  # noqa: B018 - glibc only
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
-
-
 def limit_allocator_growth() -> None:
-    """Few malloc arenas (decoding threads otherwise each keep their own high-water mark) and Arrow's buffers in
-    that same malloc: the service's RSS follows what it holds, not what it once parsed.
+    """Few malloc arenas and Arrow's buffers in that same malloc: the service's RSS follows what it holds, not
+    what it once parsed.
 
     Arrow's default jemalloc pool kept ~150 MiB after a drain even with its decay at 0 (bench.serve, 384 groups:
     RSS 1 s after the drain 349 MiB vs 195-204 MiB with the system pool, same ingest CPU per group); with the
     system pool, `return_free_memory` (malloc_trim) gives Arrow's freed buffers back too."""
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_ARENA_MAX, 2)
+    if limit_malloc_arenas():
         pa.set_memory_pool(pa.system_memory_pool())
         return
     try:
         pa.jemalloc_set_decay_ms(0)
     except (NotImplementedError, pa.ArrowNotImplementedError, AttributeError):
         pass
-
-
-def return_free_memory() -> None:
-    """Give freed heap pages back to the OS (glibc), e.g. after a commit freed a batch of decoded groups."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 @dataclass

@@ -1,21 +1,18 @@
 """numjson.c through ctypes: the number lists of posted bodies into numpy buffers, with the GIL released.
 
-The C file is compiled once per machine (and per change to it) into the user's cache directory with the
-system C compiler. Without a compiler, or with FACTORY_NATIVE_JSON=0, `available()` is False and callers use
-their pure-Python path; nothing else changes.
+numjson.c is built when the package is installed (setup.py: the optional extension `factory.serve._numjson`,
+a plain shared library that ctypes loads; nothing is compiled at run time). Where it was not built (no C
+compiler at install time), or with FACTORY_NATIVE_JSON=0, `available()` is False and callers use msgspec
+alone; nothing else changes. It is kept because it measured at least 1.3x msgspec's end-to-end ingest on
+Atropos's harness (bench/RESULTS.md, issue 29).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.machinery
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,36 +21,28 @@ import pyarrow.compute as pc
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("numjson.c")
 _FULL = -2  # numjson.c's NJ_FULL (NJ_ERROR, -1: not numbers it takes)
 _library: ctypes.CDLL | None = None
 _loaded = False
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rollout-factory"
+def built_library() -> Path | None:
+    """The shared library setup.py built from numjson.c next to this file, if there is one."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_numjson{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
 
 
-def _build() -> ctypes.CDLL | None:
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + f"{sys.platform}-{platform.machine()}".encode()).hexdigest()[:16]
-    target = _cache_dir() / f"numjson-{tag}.so"
-    if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.warning("no C compiler found: posted bodies are decoded by the slower pure-Python path")
-            return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(_SOURCE)],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("compiling %s failed, using the pure-Python path: %s", _SOURCE.name, result.stderr[-500:])
-                return None
-            os.replace(built, target)  # atomic: processes building at once each install a whole file
-    library = ctypes.CDLL(str(target))
+def _load() -> ctypes.CDLL | None:
+    path = built_library()
+    if path is None:
+        logger.warning("factory/serve/_numjson was not built at install time (no C compiler?): posted bodies are "
+                       "decoded by msgspec alone (slower); reinstall with a C compiler to build it")
+        return None
+    library = ctypes.CDLL(str(path))
     library.nj_read_body.restype = ctypes.c_long
     library.nj_read_body.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -68,9 +57,9 @@ def _get() -> ctypes.CDLL | None:
         _loaded = True
         if os.environ.get("FACTORY_NATIVE_JSON", "1") != "0":
             try:
-                _library = _build()
+                _library = _load()
             except OSError as error:
-                logger.warning("cannot build or load %s (%s): using the pure-Python path", _SOURCE.name, error)
+                logger.warning("cannot load the built numjson library (%s): posted bodies are decoded by msgspec alone", error)
     return _library
 
 

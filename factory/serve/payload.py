@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from environments.groups import GROUP_WIRE_FIELDS
-from factory.schema import ARROW_STREAM, JSON_FIELDS
+from factory.schema import JSON_FIELDS
+from factory.serve.contract import PayloadError, prefers_arrow  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ ARROW_COLUMNS = ["group_id", "run_id", "env", "item_key", "scores", "messages", 
 READ_COLUMNS = [*GROUP_WIRE_FIELDS, *META_FIELDS, "run_id", "item_key"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _KEYS = {name: orjson.dumps(name) + b":" for name in (*GROUP_WIRE_FIELDS, *META_FIELDS)}
-
-
-class PayloadError(RuntimeError):
-    """A queued group's shard could not be read; the message names the shard."""
 
 
 def _nested_views(column: pa.ChunkedArray, depth: int) -> list[list | None]:
@@ -100,24 +97,6 @@ def batch_arrow(table: pa.Table, *, compress: bool = False) -> bytes:
     with pa.ipc.new_stream(sink, projected.schema, options=options) as writer:
         writer.write_table(projected)
     return sink.getvalue().to_pybytes()
-
-
-def prefers_arrow(accept: str) -> bool:
-    """Whether an Accept header asks for ARROW_STREAM at least as much as for JSON (q > 0); JSON otherwise."""
-    quality = {}
-    for part in accept.split(","):
-        media, *params = (piece.strip() for piece in part.split(";"))
-        q = 1.0
-        for param in params:
-            name, _, value = param.partition("=")
-            if name.strip().lower() == "q":
-                try:
-                    q = float(value)
-                except ValueError:
-                    q = 0.0
-        quality[media.lower()] = max(q, quality.get(media.lower(), 0.0))
-    arrow = quality.get(ARROW_STREAM, 0.0)
-    return arrow > 0 and arrow >= quality.get("application/json", 0.0)
 
 
 class PayloadReader:

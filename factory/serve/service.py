@@ -14,6 +14,10 @@ Where this differs from Atropos 0.4.0 (on purpose):
   the newest first.
 - Mixed-size groups are queued as they are (the packer packs mixed sizes
   exactly) instead of being buffered per env until they add up to group_size.
+
+pyarrow and everything built on it (the store, row building, shard reads) are imported on the first post, the
+first queued row or the first commit seen in a followed run, not at start: an idle service stays about as small
+as Atropos's (bench.serve's idle RSS).
 """
 
 from __future__ import annotations
@@ -22,29 +26,32 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from environments.groups import ScoredGroup
-from factory.serve import numjson
 from factory.serve.config import ServeConfig
-from factory.serve.follower import IndexCache, Locator, NewShard, runs_to_follow, scan_new_shards
+from factory.serve.contract import SEQUENCE_FIELDS
 from factory.serve.http import gzip_compress
-from factory.serve.ingest import Arrival, GroupCommitter, limit_allocator_growth, return_free_memory
+from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
-from factory.serve.payload import PayloadReader, batch_arrow, batch_json, encode_groups
 from factory.serve.queue import GroupQueue
-from factory.serve.wire import SEQUENCE_FIELDS, WireGroups, stamp, to_record_batch
 from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
-from factory.schema import groups_to_record_batch
-from factory.store import CommitRecord, ShardStore
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from factory.serve.follower import NewShard
+    from factory.serve.ingest import Arrival, GroupCommitter
+    from factory.serve.payload import PayloadReader
+    from factory.serve.wire import WireGroups
+    from factory.store import CommitRecord, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +80,11 @@ class BatchBody:
 class BatchService:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.store = ShardStore(config.store_root)
+        self._store: ShardStore | None = None
+        self._loading = threading.Lock()
         self.state = ServedState(config.resolved_state_path())
         self.queue = GroupQueue()
-        self.reader = PayloadReader(int(config.payload_cache_mb * (1 << 20)))
+        self._reader: PayloadReader | None = None
         self.sources: dict[int, Path] = {}
         self.row_offsets: dict[int, int] = {}
         """First row of a source in its file, where a compaction merged it into a larger file."""
@@ -93,10 +101,94 @@ class BatchService:
         self._prefetch_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self.committer: GroupCommitter | None = None
+        self._committer_ready: asyncio.Future[None] | None = None
+        self._running = False
         self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
         self._load()
+
+    # ---- lazily loaded parts (pyarrow) ----
+    @property
+    def store(self) -> ShardStore:
+        if self._store is None:
+            with self._loading:  # the follower's thread and the first post's may both get here
+                if self._store is None:
+                    from factory.serve.ingest import limit_allocator_growth
+                    from factory.store import ShardStore
+
+                    limit_allocator_growth()  # before pyarrow allocates anything
+                    self._store = ShardStore(self.config.store_root)
+        return self._store
+
+    @property
+    def reader(self) -> PayloadReader:
+        if self._reader is None:
+            from factory.serve.payload import PayloadReader
+
+            self.store  # noqa: B018 - the allocator settings come first
+            self._reader = PayloadReader(int(self.config.payload_cache_mb * (1 << 20)))
+        return self._reader
+
+    def _may_have_shards(self) -> bool:
+        """Whether a followed run may hold committed shards, looked at without importing the store: its directory
+        holds something besides this service's state DB. Until then the follower has nothing to scan."""
+        root = Path(self.config.store_root)
+        state = self.config.resolved_state_path()
+
+        def busy(run_dir: Path) -> bool:
+            try:
+                return any(not entry.name.startswith(state.name) or run_dir != state.parent for entry in os.scandir(run_dir))
+            except OSError:
+                return False
+
+        if self._store is not None or self.sources:
+            return True
+        if "*" in self.config.follow_runs:
+            try:
+                return any(entry.is_dir() and busy(Path(entry.path)) for entry in os.scandir(root))
+            except OSError:
+                return False
+        return any(busy(root / run) for run in dict.fromkeys([self.config.ingest_run, *self.config.follow_runs]))
+
+    async def ready_for_posts(self) -> None:
+        """Start the group committer (importing pyarrow and the store, in a thread) if it is not running yet."""
+        if self.committer is not None:
+            return
+        if self._committer_ready is None:
+            self._committer_ready = asyncio.get_running_loop().create_future()
+            try:
+                await self._start_committer()
+            except BaseException as error:
+                self._committer_ready.set_exception(error if isinstance(error, Exception) else RuntimeError("cancelled"))
+                self._committer_ready.exception()  # retrieved: waiters re-raise it themselves
+                self._committer_ready = None
+                raise
+            self._committer_ready.set_result(None)
+            return
+        await asyncio.shield(self._committer_ready)
+
+    async def _start_committer(self) -> None:
+        def load() -> Any:
+            from factory.serve.ingest import GroupCommitter
+
+            self.store  # noqa: B018 - imports pyarrow and the store here, not on the event loop
+            return GroupCommitter
+
+        committer_class = await asyncio.to_thread(load)
+        if not self._running:
+            raise RuntimeError("the group committer is not running; start the service before posting groups")
+        committer = committer_class(
+            self.store,
+            self.config.ingest_run,
+            self.config.ingest_producer,
+            self._on_commit,
+            max_groups=self.config.commit_max_groups,
+            row_group_groups=self.config.ingest_row_group_groups,
+            linger_s=self.config.commit_linger_ms / 1000,
+        )
+        committer.start()
+        self.committer = committer
 
     # ---- lifecycle ----
     def _load(self) -> None:
@@ -114,6 +206,8 @@ class BatchService:
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
         taken = self.state.taken_rows()
+        from factory.serve.follower import IndexCache, Locator
+
         indexes, locator = IndexCache(), Locator(self.store)
         for source, run_id, shard, rows in self.state.sources():
             path, offset = locator.locate(run_id, shard)
@@ -133,22 +227,17 @@ class BatchService:
         logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
 
     async def start(self) -> None:
-        limit_allocator_growth()
-        await asyncio.to_thread(numjson.available)  # compile or load the native number reader before the first post
-        self._add_shards(await asyncio.to_thread(self._scan))
-        self.committer = GroupCommitter(
-            self.store,
-            self.config.ingest_run,
-            self.config.ingest_producer,
-            self._on_commit,
-            max_groups=self.config.commit_max_groups,
-            row_group_groups=self.config.ingest_row_group_groups,
-            linger_s=self.config.commit_linger_ms / 1000,
-        )
-        self.committer.start()
+        limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)
+        self._running = True
+        if self._may_have_shards():
+            self._add_shards(await asyncio.to_thread(self._scan))
+            await self.ready_for_posts()
         self._follow_task = asyncio.create_task(self._follow(), name="store-follower")
 
     async def stop(self) -> None:
+        if self._committer_ready is not None and not self._committer_ready.done():
+            await asyncio.wait([self._committer_ready])
+        self._running = False
         if self.committer is not None:
             await self.committer.stop()
         for task in (self._follow_task, self._prefetch_task):
@@ -164,6 +253,10 @@ class BatchService:
 
     # ---- sources of groups ----
     def _scan(self) -> list[NewShard]:
+        if not self._may_have_shards():
+            return []
+        from factory.serve.follower import runs_to_follow, scan_new_shards
+
         runs = runs_to_follow(self.store, self.config.follow_runs, self.config.ingest_run)
         return scan_new_shards(self.store, runs, set(self._known), self._reported)
 
@@ -182,6 +275,8 @@ class BatchService:
             ids: list[str] = []
             if shard.run_id == self.config.ingest_run:
                 # Committed while the state DB could not note it, or by a service that died before it could.
+                import pyarrow.parquet as pq
+
                 ids = pq.read_table(shard.path, columns=["group_id"]).column(0).to_pylist()
                 self._stored_ids.update(ids)
             try:
@@ -247,6 +342,9 @@ class BatchService:
         Deduplicated by `group_id` only (ids already stored are acknowledged
         without storing them again); returns how many were new.
         """
+        from factory.schema import groups_to_record_batch
+
+        await self.ready_for_posts()
         fresh, future, mine = self._claim([group.group_id for group in groups])
         groups = [group for group, new in zip(groups, fresh) if new is None]
         for group in groups:
@@ -277,6 +375,9 @@ class BatchService:
         can be recognised as already stored; the rest are always stored.
         Returns how many were stored by this call.
         """
+        from factory.serve.wire import stamp, to_record_batch
+
+        await self.ready_for_posts()
         claims, future, mine = self._claim([i if known else None for i, known in zip(parsed.ids, parsed.identified)])
         keep = [index for index, claim in enumerate(claims) if claim is None]
         envs = [parsed.envs[i] or self._env_name(parsed.env_ids[i]) for i in keep]
@@ -528,6 +629,8 @@ class BatchService:
 
     def _encode(self, body: BatchBody, arrow: bool, compress: bool) -> BatchBody:
         """Make the encoding asked for, if `body` has not got it yet (in a thread)."""
+        from factory.serve.payload import batch_arrow, batch_json, encode_groups
+
         if arrow:
             if body.arrow is None:
                 body.arrow = batch_arrow(body.table, compress=compress)
@@ -575,7 +678,7 @@ class BatchService:
             else:
                 entries = self._form()
                 if entries is None:
-                    if not self.queue.groups and self.reader.clear():
+                    if not self.queue.groups and self._reader is not None and self._reader.clear():
                         return_free_memory()  # drained: RSS goes back towards idle, not stay at the drain's peak
                     return BatchBody(NO_BATCH)
                 self.queue.reserve(entries)
@@ -632,6 +735,8 @@ class BatchService:
         async with self._lock:
             table = await asyncio.to_thread(
                 self.reader.read, [(self.sources[last.source], last.row + self.row_offsets.get(last.source, 0))])
+        from factory.serve.payload import encode_groups
+
         return encode_groups(table)[0]
 
     async def reset(self) -> None:

@@ -39,14 +39,10 @@ import orjson
 import pyarrow as pa
 
 from factory.schema import GROUP_SCHEMA
+from factory.serve.contract import JSON_TEXT_FIELDS, SEQUENCE_FIELDS, TOKEN_FIELDS, WireError
 from factory.serve import numjson
 
 _NULL = msgspec.Raw(b"null")
-JSON_TEXT_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
-# Per-sequence fields whose length (and per-token length) Atropos does not check against `tokens`.
-SEQUENCE_FIELDS = ("masks", "scores", "advantages", "ref_logprobs", "inference_logprobs", "messages", "overrides",
-                   "distill_token_ids", "distill_logprobs")
-TOKEN_FIELDS = ("masks", "advantages", "ref_logprobs", "inference_logprobs", "distill_token_ids", "distill_logprobs")
 
 
 class WireGroup(msgspec.Struct):
@@ -86,14 +82,6 @@ _MANY = msgspec.json.Decoder(list[WireGroup], strict=False)
 _STRICT_ONE = msgspec.json.Decoder(WireGroup, strict=True)
 _STRICT_MANY = msgspec.json.Decoder(list[WireGroup], strict=True)
 _FLOAT_FIELDS = ("advantages", "ref_logprobs", "inference_logprobs")
-
-
-class WireError(ValueError):
-    """A body Atropos would refuse too: `detail` is FastAPI-style 422 detail naming the field."""
-
-    def __init__(self, detail: list[dict[str, Any]]) -> None:
-        super().__init__("; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in detail))
-        self.detail = detail
 
 
 @dataclass
