@@ -206,10 +206,12 @@ class BatchService:
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
         taken = self.state.taken_rows()
-        from factory.serve.follower import IndexCache, Locator
+        sources = self.state.sources()
+        if sources:  # an idle service with nothing indexed does not load pyarrow and the store
+            from factory.serve.follower import IndexCache, Locator
 
-        indexes, locator = IndexCache(), Locator(self.store)
-        for source, run_id, shard, rows in self.state.sources():
+            indexes, locator = IndexCache(), Locator(self.store)
+        for source, run_id, shard, rows in sources:
             path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
             if offset:
