@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from environments.base import EnvSpec, load_env
@@ -26,11 +27,15 @@ from factory.config import ConfigError, config_help, prog_name, split_config_pat
 from factory.preflight import PreflightError, preflight
 from factory.inference.client import InferenceClient
 from factory.store import ShardStore
-from flows.datagen import JobConfig, build_job_config, job_config_model, run_datagen
-from flows.datagen_runtime import use_endpoints_block
+from factory.datagen.config import JobConfig, build_job_config, job_config_model
+from factory.datagen.endpoints import choose_endpoints
+from factory.datagen.ops import RunStopped
 from tasks.generate import ClientSampler, load_tokenizer, resolve_api
 
 MODES = ("process", "evaluate", "serve")
+
+RunDatagen = Callable[..., Any]
+"""flows.datagen.run_datagen (passed in: this module is imported by flows.datagen, never the other way)."""
 
 
 def output_dir(cfg: JobConfig) -> Path:
@@ -62,8 +67,8 @@ def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) 
     path.write_text(page, encoding="utf-8")
 
 
-def process(ref: str, cfg: JobConfig, config_path: str | None, args: list[str]) -> dict[str, Any]:
-    summary = run_datagen(ref, config_path=config_path, cli_args=args)
+def process(ref: str, cfg: JobConfig, config_path: str | None, args: list[str], run: RunDatagen) -> dict[str, Any]:
+    summary = run(ref, config_path=config_path, cli_args=args)
     store = ShardStore(cfg.datagen.store_root)
     out = output_dir(cfg)
     jsonl = out / "groups.jsonl"
@@ -92,7 +97,7 @@ def evaluate(ref: str, cfg: JobConfig) -> dict[str, float]:
     return metrics
 
 
-def main(ref: str, argv: list[str] | None = None) -> int:
+def main(ref: str, argv: list[str] | None = None, *, run: RunDatagen) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in MODES:
         if argv and argv[0] in ("-h", "--help"):
@@ -111,22 +116,20 @@ def main(ref: str, argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = build_job_config(ref, config_path=config_path, cli_args=args)
-        use_endpoints_block(cfg)  # as the flow does: preflight checks the block's endpoints, not openai.base_url
+        choose_endpoints(cfg)  # as the flow does: preflight checks the block's endpoints, not openai.base_url
         if mode == "serve" and not cfg.serve.api_url:
             raise ConfigError("serve mode needs the batching API: set --serve.api_url http://HOST:8000")
         preflight(cfg, mode=mode, wait_s=cfg.datagen.preflight_wait_s)
     except (ConfigError, PreflightError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from flows.datagen_ops import RunStopped
-
     try:
         if mode == "evaluate":
             evaluate(ref, cfg)
         elif mode == "process":
-            process(ref, cfg, config_path, args)
+            process(ref, cfg, config_path, args, run)
         else:
-            print(json.dumps(run_datagen(ref, config_path=config_path, cli_args=args), indent=2))
+            print(json.dumps(run(ref, config_path=config_path, cli_args=args), indent=2))
     except RunStopped as stopped:
         print(f"error: {stopped}", file=sys.stderr)
         return stopped.code

@@ -120,19 +120,31 @@ def raw_side(best: dict, base_url: str, groups: int, group_size: int) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["groups_per_s"]
 
 
-def factory_flow(base_url: str, groups: int, group_size: int, tokenizer: Path, store: Path, **datagen) -> dict:
+ROWS_WRITTEN: list[dict] = []
+"""Each factory flow call's rows: side, count and content hash (bench.datagen.stages.content_hash)."""
+
+
+def factory_flow(base_url: str, groups: int, group_size: int, tokenizer: Path, store: Path, side: str = "",
+                 **datagen) -> dict:
+    """One flow call into a fresh store under one run id, so every call's rows can be compared by content hash."""
+    from bench.datagen.stages import content_hash
+    from factory.store import ShardStore
     from flows.datagen import intern_bootcamp_datagen
 
-    started = time.perf_counter()
+    root = store / f"{side or 'flow'}-{time.time_ns()}"
+    started, cpu = time.perf_counter(), time.process_time()
     summary = intern_bootcamp_datagen(
         env={"task_name": "arithmetic", "difficulties": [1], "group_size": group_size, "total_items": groups,
              "max_tokens": 16, "tokenizer_name": str(tokenizer), "ensure_scores_are_not_same": False},
         openai={"base_url": base_url, "server_type": "openai", "model_name": "m", "num_max_requests_at_once": 64},
-        datagen={"store_root": str(store), "run_id": f"bench-{time.time_ns()}", "chunk_items": max(groups // 4, 1),
+        datagen={"store_root": str(root), "run_id": "bench", "chunk_items": max(groups // 4, 1),
                  "max_in_flight": 64, **datagen},
     )
-    whole = groups / (time.perf_counter() - started)
-    return {"groups/s": whole, "groups/s, pipeline only": summary["session_groups_per_s"] or 0.0}
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    rows_store = ShardStore(root)
+    ROWS_WRITTEN.append({"side": side, "rows": rows_store.count("bench"), "sha256": content_hash(rows_store, "bench")})
+    return {"groups/s": groups / seconds, "groups/s, pipeline only": summary["session_groups_per_s"] or 0.0,
+            "process CPU us/group": 1e6 * cpu / groups}
 
 
 def atropos_process(python: Path, base_url: str, groups: int, group_size: int, tokenizer: Path, work: Path) -> dict:
@@ -174,6 +186,53 @@ def end_to_end(groups: int, group_size: int, store: Path) -> dict:
     return summary
 
 
+INLINE, PROCESSES = "factory flow, inline scoring", "factory flow, scorer processes"
+
+
+def stage_profile(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: Path, work: Path) -> dict:
+    """CPU seconds per stage of one plain worker over the same groups (the flow's functions without Prefect)."""
+    from bench.datagen import stages
+
+    clock = stages.StageClock()
+    undo = stages.patch_stages(clock)
+    try:
+        worker = stages.plain_worker(base_url, groups, group_size, chunk_items, str(tokenizer),
+                                     work / f"stages-{time.time_ns()}", clock)
+    finally:
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+    return {"stages": stages.shares(clock), "process_cpu_s": worker["process_cpu_s"]}
+
+
+def print_stages(stage_cpu: dict, result: harness.Comparison, groups: int) -> None:
+    """Each stage's share of a worker's CPU, and what the flow adds on top (Prefect tasks, stats, artifacts)."""
+    from bench.datagen.stages import STAGES
+
+    cpu = stage_cpu["stages"]
+    total = sum(cpu.values())
+    rows = [(stage, f"{100 * cpu[stage] / total:.1f}%", f"{1e6 * cpu[stage] / groups:.0f}") for stage in STAGES]
+    plain = 1e6 * stage_cpu["process_cpu_s"] / groups
+    rows.append(("whole plain worker (process CPU)", "", f"{plain:.0f}"))
+    flow = result.median(INLINE, "process CPU us/group")
+    rows.append(("flow, inline scoring (process CPU, median)", f"orchestration ~{100 * max(0.0, 1 - plain / flow):.0f}%",
+                 f"{flow:.0f}"))
+    harness.print_table(["stage", "share", "CPU us/group"], rows,
+                        title="one worker's CPU by stage (bench.datagen.stages; orchestration = 1 - plain / flow)")
+
+
+def print_rows_written(groups: int) -> bool:
+    """Every factory flow call wrote the same rows: `groups` of them, one content hash."""
+    hashes = {row["sha256"] for row in ROWS_WRITTEN}
+    ok = len(hashes) == 1 and all(row["rows"] == groups for row in ROWS_WRITTEN)
+    harness.print_table(["side", "calls", "rows each", "content sha256"],
+                        [(side, sum(1 for r in ROWS_WRITTEN if r["side"] == side),
+                          ",".join(sorted({str(r["rows"]) for r in ROWS_WRITTEN if r["side"] == side})),
+                          ",".join(sorted({r["sha256"][:16] for r in ROWS_WRITTEN if r["side"] == side})))
+                         for side in dict.fromkeys(r["side"] for r in ROWS_WRITTEN)],
+                        title=f"rows written by the flow ({'same' if ok else 'DIFFERENT'} count and content in every call)")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2000)
@@ -206,16 +265,18 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = tiny_policy()
         g, n, url = args.groups, args.group_size, server.base_url
         sides = [harness.Side(f"raw limit ({best['kind']}, {best['procs']} proc)", lambda: raw_side(best, url, g, n)),
-                 harness.Side("factory flow, inline scoring",
-                              lambda: factory_flow(url, g, n, tokenizer, work / "store")),
-                 harness.Side("factory flow, scorer processes",
-                              lambda: factory_flow(url, g, n, tokenizer, work / "store", score_mode="process"))]
+                 harness.Side(INLINE, lambda: factory_flow(url, g, n, tokenizer, work / "store", "inline",
+                                                           score_mode="inline")),
+                 harness.Side(PROCESSES, lambda: factory_flow(url, g, n, tokenizer, work / "store", "processes",
+                                                              score_mode="process"))]
         if atropos is not None:
             sides.append(harness.Side("atroposlib 0.4.0 process mode",
                                       lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
         phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
         result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
                                  label=f"{g} groups of {n}, instant server x{best['server_workers']}")
+        phase("stage profile of one worker (bench.datagen.stages)")
+        stage_cpu = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work)
         if args.e2e_groups:
             phase("end to end on the local policy server")
             e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
@@ -228,15 +289,19 @@ def main(argv: list[str] | None = None) -> None:
     harness.print_comparison(result, title=f"datagen throughput, {args.groups} groups of {args.group_size}, "
                                            f"instant server with {best['server_workers']} worker(s)",
                              json_out=json_out)
+    print_stages(stage_cpu, result, g)
+    rows_ok = print_rows_written(g)
     atropos_side = "atroposlib 0.4.0 process mode"
     if atropos_side in result.sides:
         metric = "groups/s, pipeline only"
         rows = []
-        for side in ("factory flow, inline scoring", "factory flow, scorer processes"):
+        for side in (INLINE, PROCESSES):
             low, high = result.spread(side, metric, versus=atropos_side)
             rows.append((side, f"{result.median_ratio(side, metric, versus=atropos_side):.2f}x", f"{low:.2f}-{high:.2f}x"))
         harness.print_table(["side (pipeline only)", "vs Atropos process mode (median)", "min-max"], rows,
                             title="factory vs Atropos, same rounds")
+    if not rows_ok:
+        raise SystemExit("the factory flow's calls wrote different rows (count or content hash); see above")
     if not args.e2e_groups:
         return
     harness.print_table(["model", "problems", "rollouts/s", "completion tokens/s", "inference share", "kept",

@@ -26,7 +26,7 @@ import httpx
 from pydantic import Field, field_validator
 
 from factory.config import FactoryConfig
-from factory.inference.http_pool import ShardedHttp
+from factory.inference.http_pool import KeepAliveHttp
 from factory.inference.endpoints import Endpoint, EndpointPool, NoEndpointAvailable, endpoint_root
 from factory.inference.parse import parse_chat, parse_completions, parse_generate, weight_version_of
 from factory.inference.types import Completion, SamplingParams
@@ -98,9 +98,9 @@ class InferenceClient:
     def __init__(self, config: InferenceConfig | None = None, **overrides: Any) -> None:
         self.config = config or InferenceConfig(**overrides)
         cfg = self.config
-        self._http = ShardedHttp(cfg.num_max_requests_at_once * len(cfg.urls),
-                                  timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 10.0)),
-                                  headers={"Authorization": f"Bearer {cfg.api_key}"})
+        self._http = KeepAliveHttp(timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 10.0)),
+                                   headers={"Authorization": f"Bearer {cfg.api_key}"},
+                                   connections=cfg.num_max_requests_at_once * len(cfg.urls))
         health = "/health" if cfg.server_type == "sglang" else "/v1/models"
         self.pool = EndpointPool([endpoint_root(u) for u in cfg.urls], cap=cfg.num_max_requests_at_once,
                                  eject_after=cfg.eject_after_failures, probe_interval_s=cfg.probe_interval_s,
@@ -301,7 +301,7 @@ def _reseed(sampling: SamplingParams, offset: int) -> SamplingParams:
     return sampling.model_copy(update={"seed": sampling.seed + offset})
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: Any) -> float | None:
     try:
         return float(response.headers["retry-after"])
     except (KeyError, ValueError):

@@ -243,7 +243,7 @@ def watching_jobs(name: str) -> Iterator[dict[str, set[str]]]:
 def test_the_cli_samples_from_the_endpoints_block_like_the_deployment(prefect_server, tmp_path, capsys):
     """`--datagen.endpoints_block NAME`: preflight checks the block's endpoints, not the default openai.base_url."""
     from factory.inference.fault_server import FaultServer
-    from flows.datagen import ENVIRONMENTS
+    from flows.datagen import ENVIRONMENTS, run_datagen
     from flows.datagen_cli import main
     from flows.inference import register_endpoints
 
@@ -255,7 +255,7 @@ def test_the_cli_samples_from_the_endpoints_block_like_the_deployment(prefect_se
             "--datagen.endpoints_block", "cli-test-endpoints", "--datagen.store_root", str(tmp_path / "data"),
             "--datagen.run_id", "cli-block", "--env.total_items", "4", "--env.group_size", "2",
             "--env.tokenizer_name", str(REPO / "models/starter-policy"), "--datagen.chunk_items", "2",
-            "--datagen.score_mode", "inline"])
+            "--datagen.score_mode", "inline"], run=run_datagen)
         assert code == 0, capsys.readouterr().err[-3000:]
         assert server.hits  # sampled from the block's server
     assert_every_item_once(tmp_path / "data", "cli-block", 4)

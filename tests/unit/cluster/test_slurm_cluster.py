@@ -172,7 +172,7 @@ def test_deployment_entrypoints_are_module_paths_that_every_worker_imports_by_th
 def test_a_flow_loaded_from_a_file_path_is_refused_before_it_reaches_dask_workers() -> None:
     from factory.preflight import PreflightError
     from flows.datagen import DatagenSettings
-    from flows.datagen_runtime import check_importable_by_workers
+    from factory.datagen.runtime import check_importable_by_workers
 
     check_importable_by_workers(DatagenSettings(task_runner="dask"), "flows.datagen")
     check_importable_by_workers(DatagenSettings(), "datagen")  # threads share the flow's own modules

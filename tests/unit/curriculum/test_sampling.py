@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import deque
 
 import pytest
 
@@ -16,7 +15,8 @@ from environments.base import Rollout
 from environments.bootcamp_tasks import parse_key
 from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
 from factory.curriculum import CurriculumSettings
-from factory.sampling import DynamicSampling, chunk_stats_name, curriculum_state_name, make_curriculum
+from factory.datagen.run import ChunkCommitter, ChunksInFlight, PlannedChunk
+from factory.sampling import DynamicSampling, curriculum_state_name, make_curriculum
 from factory.store import ShardStore
 from tasks.group import group_chunk
 
@@ -26,6 +26,10 @@ PASS_BY_LEVEL = {1: 0.97, 2: 0.8, 3: 0.5, 4: 0.15, 5: 0.0}
 
 class Killed(Exception):
     pass
+
+
+def tmp_root(store):
+    return store.run_dir(RUN).parent
 
 
 def scripted_rollouts(item, group_size: int, pass_by_level) -> list[Rollout]:
@@ -40,42 +44,44 @@ def scripted_rollouts(item, group_size: int, pass_by_level) -> list[Rollout]:
 
 def run_loop(store, *, target=None, total_items=40, max_items=None, chunk_items=5, lag=2, curriculum=True,
              kill_after=None, pass_by_level=PASS_BY_LEVEL, group_size=4):
-    """The datagen flow's loop (flows/datagen.py) with the Prefect tasks replaced by direct calls."""
+    """The datagen flow's loop (flows/datagen.py, DatagenRun) on its own window and committer, the Prefect
+    tasks replaced by direct calls."""
     env = InternBootcampEnv(InternBootcampConfig(difficulties=[3], group_size=group_size))
     cur = make_curriculum(CurriculumSettings(enabled=curriculum, min_items=4), env, start_level=3)
     s = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=chunk_items, total_items=total_items,
                         target_groups=target, max_items=max_items, chunks_in_flight=lag, curriculum=cur,
                         solved=env.solved)
-    in_flight: deque = deque()
+    window = ChunksInFlight(lag, s)
+    committer = ChunkCommitter(store, root=str(tmp_root(store)), run_id=RUN, producer=PRODUCER, sampler=s,
+                               write_shard=lambda _root, run, producer, chunk, groups: store.commit(run, producer,
+                                                                                                   chunk, groups))
     commits = 0
 
-    def draw(chunk):
-        plan = s.plan_for(chunk)
-        items = [env.get_item(i) if plan is None else env.get_planned_item(i, plan) for i in s.indices(chunk)]
+    def draw(planned):
+        items = [env.get_item(i) if planned.plan is None else env.get_planned_item(i, planned.plan)
+                 for i in planned.indices]
         return group_chunk("intern_bootcamp", items, [scripted_rollouts(i, group_size, pass_by_level) for i in items],
                            group_size=group_size, max_token_length=100, run_id=RUN)
 
-    def finish(chunk, grouped):
+    def commit_oldest():
         nonlocal commits
-        if not s.admit(chunk, grouped):
+        planned, grouped = window.pop()
+        if committer.commit(planned.chunk, grouped) is None:
             return
-        stats = {**grouped.stats(), "chunk": chunk, **s.chunk_stats(chunk, grouped)}
-        store.write_run_file(RUN, chunk_stats_name(PRODUCER, chunk), json.dumps(stats))
-        store.commit(RUN, PRODUCER, chunk, grouped)
-        s.committed(chunk, stats)
         commits += 1
         if kill_after is not None and commits >= kill_after:
             raise Killed
 
     while True:
-        while in_flight and (len(in_flight) >= lag or s.enough_in_flight(sum(len(g.outcomes) for _, g in in_flight))):
-            finish(*in_flight.popleft())
+        while window.full():
+            commit_oldest()
         chunk = s.next_chunk()
         if chunk is None:
             break
-        in_flight.append((chunk, draw(chunk)))
-    while in_flight:
-        finish(*in_flight.popleft())
+        planned = PlannedChunk(chunk, s.indices(chunk), s.plan_for(chunk))
+        window.add(planned, draw(planned))
+    while window:
+        commit_oldest()
     return s
 
 

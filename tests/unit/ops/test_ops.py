@@ -105,7 +105,7 @@ def test_a_failed_chunk_raises_the_upstream_cause_not_unfinished_run():
     from prefect.exceptions import UnfinishedRun
     from prefect.states import Completed, Failed, Pending
 
-    from flows.datagen_ops import RunOps
+    from factory.datagen.ops import RunOps
 
     class Future:
         def __init__(self, state, error=None):

@@ -1,0 +1,268 @@
+"""One datagen run's bookkeeping, so the flow body is only plan -> generate -> score -> group -> commit.
+
+`ChunksInFlight` is the window of chunks submitted and not yet committed;
+`ChunkCommitter` is what committing one chunk means (admission against the
+target, the chunk's stats file, the shard, the sampler's and curriculum's
+state, session counters). Both are plain and tested without Prefect.
+`DatagenRun` ties them to one flow run: run ownership and stop signals
+(`RunOps`), backpressure, progress line and artifacts, and the run's outcome.
+
+Extension points: the run's endpoints are chosen in
+`factory.datagen.endpoints.choose_endpoints` (before preflight); its end state
+is decided in `DatagenRun.outcome` only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from environments.base import EnvSpec, load_env
+from factory.config import to_yaml
+from factory.datagen.backpressure import Backpressure
+from factory.datagen.config import JobConfig, job_config_model
+from factory.datagen.ops import RunOps
+from factory.datagen.summary import summarize
+from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
+from factory.store import ShardStore
+
+WriteShard = Callable[[str, str, str, int, Any], Any]
+"""(store_root, run_id, producer, chunk, groups) -> commit record: tasks.shards.write_shard or its Prefect task."""
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """A chunk about to be generated: its number, its item indices and the curriculum's plan for them (or None)."""
+
+    chunk: int
+    indices: range
+    plan: dict[str, Any] | None = None
+
+
+class ChunksInFlight:
+    """Chunks submitted and not committed yet, oldest first, each with the future (or value) of its groups."""
+
+    def __init__(self, limit: int, sampler: DynamicSampling) -> None:
+        self.limit = limit
+        self.sampler = sampler
+        self._chunks: deque[tuple[PlannedChunk, Any]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def add(self, planned: PlannedChunk, grouped: Any) -> None:
+        self._chunks.append((planned, grouped))
+
+    def items(self) -> int:
+        return sum(len(planned.indices) for planned, _ in self._chunks)
+
+    def full(self) -> bool:
+        """Whether the oldest chunk must be committed before another is planned: the window holds `limit` chunks,
+        or the items in flight may already reach the target."""
+        return bool(self._chunks) and (len(self._chunks) >= self.limit or self.sampler.enough_in_flight(self.items()))
+
+    def oldest(self) -> Any:
+        return self._chunks[0][1]
+
+    def pop(self) -> tuple[PlannedChunk, Any]:
+        return self._chunks.popleft()
+
+    def chunks(self) -> list[int]:
+        return [planned.chunk for planned, _ in self._chunks]
+
+
+class ChunkCommitter:
+    """Commits chunks of groups in order: admit, stats file, shard, sampler/curriculum state, session counters."""
+
+    def __init__(self, store: ShardStore, *, root: str, run_id: str, producer: str, sampler: DynamicSampling,
+                 write_shard: WriteShard, flow_run_id: str | None = None, backpressure: Backpressure | None = None):
+        self.store, self.root, self.run_id, self.producer = store, root, run_id, producer
+        self.sampler = sampler
+        self.write_shard = write_shard
+        self.flow_run_id = flow_run_id
+        self.backpressure = backpressure
+        self.session: Counter[str] = Counter()
+        """This session's committed chunks, rollouts, groups kept, completion tokens, ms generating and paused."""
+        self.intervals: list[tuple[float, float]] = []
+        """(start, end) of each chunk's generation: wall time with at least one chunk in inference."""
+
+    def commit(self, chunk: int, grouped: Any) -> list[dict[str, Any]] | None:
+        """Commit one chunk's groups; the curriculum moves it caused, or None when it was thrown away uncommitted
+        (an earlier chunk reached the target)."""
+        self.intervals.append((grouped.generate_started_at, grouped.generate_started_at + grouped.generate_s))
+        if not self.sampler.admit(chunk, grouped):
+            return None
+        stats = {**grouped.stats(), "chunk": chunk, **self.sampler.chunk_stats(chunk, grouped),
+                 "flow_run_id": self.flow_run_id}  # view-run links to the flow run
+        self.store.write_run_file(self.run_id, chunk_stats_name(self.producer, chunk), json.dumps(stats))
+        # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
+        # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
+        self.write_shard(self.root, self.run_id, self.producer, chunk, grouped)
+        moves = self.sampler.committed(chunk, stats)
+        if self.backpressure is not None:
+            self.backpressure.committed += len(grouped.groups)
+        self.session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
+                             "completion_tokens": grouped.completion_tokens,
+                             "generate_ms": round(grouped.generate_s * 1000)})
+        return moves
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    return f"{run_id}-{what}".lower().replace("_", "-")
+
+
+class DatagenRun:
+    """One flow run of the datagen pipeline: everything but the data path itself.
+
+    The flow asks `plan_next` for chunks, submits generate -> score -> group for each and hands the grouped
+    future to `in_flight`; committing happens here, oldest first, as the window fills, before a backpressure
+    pause, and in `commit_remaining` at the end. `outcome` decides how the run ends.
+    """
+
+    def __init__(self, ref: str, cfg: JobConfig, logger: Any, *, write_shard: WriteShard) -> None:
+        d = cfg.datagen
+        self.cfg, self.logger = cfg, logger
+        self.store = ShardStore(d.store_root)
+        self.ops = RunOps.start(self.store, cfg, logger)
+        self.store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
+        self.spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
+        env_class = self.spec.env_class()
+        self.env_name = env_class.name
+        self.score_mode = env_class.scoring if d.score_mode == "auto" else d.score_mode
+        env = load_env(self.spec, setup=False)
+        self.curriculum = make_curriculum(d.curriculum, env, start_level=min(getattr(cfg.env, "difficulties", [1])))
+        self.sampler = DynamicSampling(self.store, run_id=d.run_id, producer=d.producer, chunk_items=d.chunk_items,
+                                       total_items=cfg.env.total_items, target_groups=d.target_groups,
+                                       max_items=d.max_items, chunks_in_flight=d.chunks_in_flight,
+                                       curriculum=self.curriculum, solved=env.solved)
+        self.backpressure = Backpressure(cfg.serve, cfg.env.group_size) if cfg.serve.api_url else None
+        self.committer = ChunkCommitter(self.store, root=d.store_root, run_id=d.run_id, producer=d.producer,
+                                        sampler=self.sampler, write_shard=write_shard, flow_run_id=self.ops.own_run,
+                                        backpressure=self.backpressure)
+        self.window = ChunksInFlight(d.chunks_in_flight, self.sampler)
+        self.group_options = {
+            "group_size": cfg.env.group_size, "max_token_length": cfg.env.max_token_length,
+            "ensure_scores_are_not_same": cfg.env.ensure_scores_are_not_same, "run_id": d.run_id,
+            "seed": cfg.env.seed, "generation_params": cfg.env.model_dump(include={"temperature", "top_p", "max_tokens"}),
+        }
+        self.started = time.perf_counter()
+        self._announce()
+
+    @classmethod
+    def open(cls, ref: str, config: dict[str, Any], logger: Any, *, write_shard: WriteShard) -> DatagenRun:
+        """Validate the job's config, claim the run and restore what earlier sessions committed."""
+        return cls(ref, job_config_model(ref).model_validate(config), logger, write_shard=write_shard)
+
+    def _announce(self) -> None:
+        d, sampler = self.cfg.datagen, self.sampler
+        if d.target_groups is None:
+            self.logger.info("%s: %d of %d chunks to do in run %r (store %s)", self.env_name, sampler.todo_chunks(),
+                             sampler.n_chunks, d.run_id, d.store_root)
+        else:
+            self.logger.info("%s: %d of target %d groups committed in run %r (%d chunks); drawing up to %d items",
+                             self.env_name, sampler.committed_groups, d.target_groups, d.run_id,
+                             sampler.restored_chunks, sampler.max_items)
+        self.progress_id = self.ops.progress_artifact(
+            sampler.progress(), key=artifact_key(d.run_id, "progress"),
+            description=f"{self.env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id} "
+                        f"(store {self.store.run_dir(d.run_id).absolute()})")
+        self.ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks))
+
+    @property
+    def stopping(self) -> bool:
+        return self.ops.stopping
+
+    # ---- plan -------------------------------------------------------------------------------------------------
+
+    def plan_next(self) -> PlannedChunk | None:
+        """The next chunk to generate, after committing what the window holds back and any backpressure pause;
+        None when every chunk is planned, the target is reached, or a stop signal came."""
+        while self.window.full() and not self.stopping:
+            self._commit_oldest()
+        if self.stopping:
+            return None
+        chunk = self.sampler.next_chunk()
+        if chunk is None:
+            return None
+        indices = self.sampler.indices(chunk)
+        if self.backpressure is not None:
+            # Chunks in flight count against the limit; commit them before pausing so the trainer can have them.
+            if self.window and self.backpressure.would_wait(self.window.items()):
+                while self.window:
+                    self._commit_oldest()
+            self.committer.session["paused_ms"] += round(self.backpressure.wait(self.logger) * 1000)
+        return PlannedChunk(chunk, indices, self.sampler.plan_for(chunk))
+
+    def in_flight(self, planned: PlannedChunk, grouped: Any, *, upstream: tuple[Any, ...] = ()) -> None:
+        """A chunk was submitted; `upstream` futures name the cause when its groups fail."""
+        self.ops.submitted(grouped, *upstream)
+        self.window.add(planned, grouped)
+
+    # ---- commit -----------------------------------------------------------------------------------------------
+
+    def _commit_oldest(self) -> None:
+        planned, future = self.window.pop()
+        self._commit(planned.chunk, self.ops.result(future))
+
+    def _commit(self, chunk: int, grouped: Any) -> None:
+        from prefect.artifacts import create_table_artifact, update_progress_artifact
+
+        d = self.cfg.datagen
+        moves = self.committer.commit(chunk, grouped)
+        if moves is None:
+            self.logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk,
+                             d.target_groups)
+            return
+        update_progress_artifact(self.progress_id, self.sampler.progress())
+        self.logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
+        if self.curriculum is not None:
+            for move in moves:
+                self.logger.info("curriculum: %s level %d -> %d (recent pass rate %.2f)", move["family"],
+                                 move["from"], move["to"], move["pass_rate"])
+            create_table_artifact(table=self.curriculum.table(), key=artifact_key(d.run_id, "curriculum"),
+                                  description=f"{self.env_name} curriculum after chunk {chunk} of run {d.run_id}")
+        self.ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
+
+    def commit_remaining(self) -> None:
+        """Commit every chunk still in flight; after a stop signal only those that finish within the grace period
+        (the rest are abandoned uncommitted; a rerun redoes them)."""
+        while self.window:
+            if self.stopping and not self.ops.finishes_in_grace(self.window.oldest()):
+                break
+            self._commit_oldest()
+
+    # ---- outcome ----------------------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Totals of the producer's committed chunks and this session's rates; written to stats-<producer>.json,
+        the run's summary artifact and the log."""
+        d = self.cfg.datagen
+        seconds = time.perf_counter() - self.started
+        summary = {**summarize(self.store, self.cfg, seconds, self.committer.session, self.committer.intervals),
+                   **self.sampler.summary()}
+        if (message := self.sampler.stop_message()) is not None:
+            self.logger.warning(message)
+            summary["stop_message"] = message
+        self.store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
+        rows = [{"metric": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in summary.items()]
+        self.ops.summary_artifact(rows, key=artifact_key(d.run_id, "summary"),
+                                  description=f"{self.env_name} datagen summary for run {d.run_id}",
+                                  store_dir=summary["store"])
+        self.logger.info("summary: %s", json.dumps(summary))
+        return summary
+
+    def outcome(self) -> Any:
+        """The one place the run's end state is decided; returns what the pipeline flow returns.
+
+        Stopped by a signal: the runs are marked Cancelled (the process exits at once if chunks were abandoned).
+        Otherwise the run completes with its summary.
+        """
+        summary = self.summary()
+        if self.stopping:
+            return self.ops.stopped(summary, abandoned=self.window.chunks())
+        self.ops.finished()
+        return summary

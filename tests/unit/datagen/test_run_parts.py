@@ -1,0 +1,98 @@
+"""The datagen run's plain parts (factory/datagen/): the in-flight window, the chunk committer, the summary and the
+import layering (flows import factory.datagen, never the reverse, and the flow's CLI does not import the flow)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from environments.base import Item, Rollout
+from factory.datagen.run import ChunkCommitter, ChunksInFlight, PlannedChunk
+from factory.datagen.summary import covered
+from factory.sampling import DynamicSampling, chunk_stats_name
+from factory.store import ShardStore
+from tasks.group import group_chunk
+
+REPO = Path(__file__).resolve().parents[3]
+RUN, PRODUCER = "parts", "p"
+
+
+def grouped_chunk(first: int, n_items: int, *, started_at: float = 10.0, generate_s: float = 2.0):
+    items = [Item(key=f"k{i}", messages=[{"role": "user", "content": "q"}]) for i in range(first, first + n_items)]
+    rollouts = [[Rollout(item.key, "t", [1, 2], [3, 4], [-0.1, -0.1], "stop", 0, score=float(j)) for j in range(2)]
+                for item in items]
+    grouped = group_chunk("toy", items, rollouts, group_size=2, max_token_length=100, run_id=RUN)
+    grouped.generate_started_at, grouped.generate_s = started_at, generate_s
+    return grouped
+
+
+def committer_for(store: ShardStore, sampler: DynamicSampling, **kwargs) -> ChunkCommitter:
+    return ChunkCommitter(store, root="unused", run_id=RUN, producer=PRODUCER, sampler=sampler,
+                          write_shard=lambda _root, run, producer, chunk, groups: store.commit(run, producer, chunk,
+                                                                                              groups), **kwargs)
+
+
+def test_the_window_holds_back_the_oldest_chunk_once_it_is_full(tmp_path):
+    sampler = DynamicSampling(ShardStore(tmp_path), run_id=RUN, producer=PRODUCER, chunk_items=4, total_items=40)
+    window = ChunksInFlight(2, sampler)
+    assert not window.full() and len(window) == 0
+    window.add(PlannedChunk(0, range(0, 4)), "future-0")
+    assert not window.full() and window.items() == 4
+    window.add(PlannedChunk(1, range(4, 8)), "future-1")
+    assert window.full() and window.oldest() == "future-0" and window.chunks() == [0, 1]
+    assert window.pop() == (PlannedChunk(0, range(0, 4)), "future-0") and not window.full()
+
+
+def test_a_target_run_commits_before_the_items_in_flight_could_overshoot(tmp_path):
+    store = ShardStore(tmp_path)
+    sampler = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=1, target_groups=5)
+    committer_for(store, sampler).commit(0, grouped_chunk(0, 3))  # 3 of 3 items kept so far
+    window = ChunksInFlight(5, sampler)
+    window.add(PlannedChunk(1, range(3, 6)), "future-1")
+    assert window.full()  # 3 items in flight may already make the 2 groups left: wait for them before drawing more
+
+
+def test_the_committer_writes_stats_and_shard_and_counts_the_session(tmp_path):
+    store = ShardStore(tmp_path)
+    sampler = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=6)
+
+    class Backpressure:
+        committed = 0
+
+    backpressure = Backpressure()
+    committer = committer_for(store, sampler, flow_run_id="run-1", backpressure=backpressure)
+    assert committer.commit(0, grouped_chunk(0, 3)) == []
+    assert committer.commit(1, grouped_chunk(3, 3, started_at=11.0)) == []
+    assert store.count(RUN) == 6 and backpressure.committed == 6
+    stats = json.loads((store.run_dir(RUN) / chunk_stats_name(PRODUCER, 1)).read_text())
+    assert stats["chunk"] == 1 and stats["groups_kept"] == 3 and stats["flow_run_id"] == "run-1"
+    assert committer.session["chunks"] == 2 and committer.session["groups_kept"] == 6
+    assert committer.session["rollouts"] == 12 and committer.session["generate_ms"] == 4000
+    assert covered(committer.intervals) == 3.0  # [10, 12] and [11, 13] overlap
+
+
+def test_a_chunk_past_the_target_is_thrown_away_uncommitted(tmp_path):
+    store = ShardStore(tmp_path)
+    sampler = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=1, target_groups=2)
+    committer = committer_for(store, sampler)
+    assert committer.commit(0, grouped_chunk(0, 3)) == []  # trimmed to the 2 groups the target needs
+    assert committer.commit(1, grouped_chunk(3, 3)) is None
+    assert store.count(RUN) == 2 and sorted(r.chunk for r in store.committed(RUN).values()) == [0]
+    assert committer.session["chunks"] == 1 and len(committer.intervals) == 2
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module if node.module != "flows" else f"flows.{node.names[0].name}")
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_datagen_modules_import_downward_only():
+    for path in (REPO / "factory/datagen").glob("*.py"):
+        assert not {m for m in imports_of(path) if m.startswith("flows")}, path
+    assert not {m for m in imports_of(REPO / "flows/datagen_cli.py") if m.startswith("flows.datagen")}
