@@ -33,6 +33,8 @@ from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
 from factory.run_control import current_flow_run_id
+from factory.run_outcome import (clean_start, count_discarded, forget_stats, raise_if_target_missed, read_discarded,
+                                 target_missed_message, whole_run_totals)
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.slurm_cluster import ClusterFault
 from factory.store import ShardStore
@@ -184,6 +186,7 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     d = cfg.datagen
     store = ShardStore(d.store_root)
     ops = RunOps.start(store, cfg, logger)
+    clean_start(store, d.run_id, d.producer)  # run-outcome hook: temp files and stats of uncommitted chunks
     store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
     spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
     env_name = spec.env_class().name
@@ -202,7 +205,8 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     progress_id = ops.progress_artifact(sampler.progress(), key=f"{d.run_id}-progress".lower().replace("_", "-"),
                                         description=f"{env_name} datagen: chunks of {d.chunk_items} items committed to "
                                         f"{d.run_id} (store {store.run_dir(d.run_id).absolute()})")
-    ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks))
+    ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks),
+              groups_before=sampler.committed_groups)
     curriculum_key = f"{d.run_id}-curriculum".lower().replace("_", "-")
     score_mode = spec.env_class().scoring if d.score_mode == "auto" else d.score_mode
     if score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
@@ -221,13 +225,18 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         intervals.append((grouped.generate_started_at, grouped.generate_started_at + generate_s))
         if not sampler.admit(chunk, grouped):  # target reached by an earlier chunk: this one is not committed
             logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk, d.target_groups)
+            count_discarded(store, d.run_id, d.producer, grouped)  # run-outcome hook: its rollouts still count
             return
         stats = {**grouped.stats(), "chunk": chunk, **sampler.chunk_stats(chunk, grouped),
                  "flow_run_id": ops.own_run}  # view-run links to the flow run
         store.write_run_file(d.run_id, _stats_name(d.producer, chunk), json.dumps(stats))
         # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
         # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
-        write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped).result()
+        try:
+            write_shard_task.submit(d.store_root, d.run_id, d.producer, chunk, grouped).result()
+        except BaseException:  # run-outcome hook: no stats file for an uncommitted chunk
+            forget_stats(store, d.run_id, _stats_name(d.producer, chunk))
+            raise
         moves = sampler.committed(chunk, stats)
         if backpressure is not None:
             backpressure.committed += len(grouped.groups)
@@ -276,7 +285,8 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         finish(*in_flight.popleft())
 
     summary = {**summarize(store, cfg, time.perf_counter() - started, session, intervals), **sampler.summary()}
-    if (message := sampler.stop_message()) is not None:
+    summary = whole_run_totals(summary, read_discarded(store, d.run_id, d.producer))  # run-outcome hook
+    if (message := target_missed_message(summary)) is not None:  # run-outcome hook
         logger.warning(message)
         summary["stop_message"] = message
     store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
@@ -287,6 +297,10 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     if ops.stopping:
         return ops.stopped(summary, abandoned=[chunk for chunk, _, _ in in_flight])
     ops.finished()
+    if message is not None:  # run-outcome hook: a missed target fails the run, with the true numbers
+        from prefect.states import Failed
+
+        return Failed(message=message)
     return summary
 
 
@@ -317,6 +331,7 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
         if current_flow_run_id():
             return state  # the deployment's run ends Cancelled too, without retries
         raise stopped
+    raise_if_target_missed(state)  # run-outcome hook: Failed without retries, the numbers as the one line
     return state.result()
 
 
