@@ -121,6 +121,21 @@ def raise_if_target_missed(state: Any) -> None:
         raise TargetMissed(message)
 
 
+def final_result(state: Any) -> Any:
+    """The pipeline subflow's result; a missed target or a dead model server fails the calling run without retries
+    (a retry draws no new items / finds no server), with the one-line cause."""
+    raise_if_target_missed(state)
+    from factory.inference.health import EndpointsDown
+
+    try:
+        return state.result()
+    except EndpointsDown as error:
+        from factory.run_control import fail_without_retry
+
+        fail_without_retry(str(error))
+        raise
+
+
 def check_outcome(summary: dict[str, Any]) -> None:
     """Raise TargetMissed when the summary says the run missed its target."""
     if (message := target_missed_message(summary)) is not None:

@@ -32,8 +32,9 @@ from factory.config import FactoryConfig, build_config, to_yaml
 from factory.curriculum import CurriculumSettings
 from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
+from factory.prefect_outage import best_effort
 from factory.run_control import current_flow_run_id
-from factory.run_outcome import (clean_start, count_discarded, forget_stats, raise_if_target_missed, read_discarded,
+from factory.run_outcome import (clean_start, count_discarded, final_result, forget_stats, read_discarded,
                                  target_missed_message, whole_run_totals)
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.slurm_cluster import ClusterFault
@@ -242,14 +243,14 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
             backpressure.committed += len(grouped.groups)
         session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
                         "completion_tokens": grouped.completion_tokens, "generate_ms": round(generate_s * 1000)})
-        update_progress_artifact(progress_id, sampler.progress())
+        best_effort(update_progress_artifact, progress_id, sampler.progress())  # outage hook: not fatal
         logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
         if curriculum is not None:
             for move in moves:
                 logger.info("curriculum: %s level %d -> %d (recent pass rate %.2f)", move["family"], move["from"],
                             move["to"], move["pass_rate"])
-            create_table_artifact(table=curriculum.table(), key=curriculum_key,
-                                  description=f"{env_name} curriculum after chunk {chunk} of run {d.run_id}")
+            best_effort(create_table_artifact, table=curriculum.table(), key=curriculum_key,  # outage hook
+                        description=f"{env_name} curriculum after chunk {chunk} of run {d.run_id}")
         ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
 
     while not ops.stopping:
@@ -331,8 +332,7 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
         if current_flow_run_id():
             return state  # the deployment's run ends Cancelled too, without retries
         raise stopped
-    raise_if_target_missed(state)  # run-outcome hook: Failed without retries, the numbers as the one line
-    return state.result()
+    return final_result(state)  # run-outcome hook: missed target / dead model server: Failed without retries
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)
