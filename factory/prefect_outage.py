@@ -107,3 +107,25 @@ def best_effort(call, *args, what: str = "a progress report", **kwargs):
             logging.getLogger(__name__).warning("skipped %s: %s", what,
                                                 describe_prefect_outage(error) or f"{type(error).__name__}: {error}")
         return None
+
+
+def exit_with_outage(line: str, code: int = 1) -> None:
+    """Print `error: line` as the very last line and leave: Prefect's log and event workers would otherwise print
+    their own failures to reach the API (tracebacks, event dumps) after it, at interpreter exit."""
+    import logging
+    import sys
+
+    logging.disable(logging.CRITICAL)
+    try:
+        from factory.local_prefect import drain_prefect_workers
+
+        drain_prefect_workers(timeout=2)
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    os._exit(code)
