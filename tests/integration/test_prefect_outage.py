@@ -127,7 +127,9 @@ def test_an_outage_past_the_window_fails_with_one_line_naming_the_api(stack, mod
     print(f"Prefect server gone -> run exited in {took:.0f}s")
     assert process.returncode != 0
     assert last_line(err).startswith(f"error: the Prefect API at {stack.api_url} stopped answering"), err[-3000:]
-    assert took < 14 * 1.2 + 60, took
+    # A call in the data path (the task engine reads an upstream task's state) waits out its retries, then the flow
+    # engine's final state report waits out its own: about twice the window, plus start-up on a loaded machine.
+    assert took < 2 * 14 * 1.2 + 120, took
     assert store.verify("gone") == []
 
 
