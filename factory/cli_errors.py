@@ -42,6 +42,7 @@ USER_ERROR_TYPES = {
     "factory.export.source.SourceError": 1,
     "factory.export.writer.OutputExistsError": 1,
     "factory.export.render.RenderError": 1,
+    "factory.inference.health.EndpointsDown": 1,
 }
 
 

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory.prefect_outage import outage_environ
+
 DEFAULT_PORT = 4200
 DEFAULT_POOL = "local-process"
 STACK_FILE = "stack.json"
@@ -111,6 +113,7 @@ class LocalPrefect:
             "PREFECT_UI_API_URL": self.api_url,
             "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S)),
+            **outage_environ(),  # clients retry long enough to ride out a server restart (FACTORY_PREFECT_OUTAGE_S)
         }
 
     def _pidfile(self, name: str) -> Path:

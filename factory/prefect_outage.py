@@ -54,3 +54,78 @@ def describe_prefect_outage(error: BaseException, api_url: str | None = None) ->
             "run id to finish the rest"
         )
     return None
+
+
+# ---- riding out an outage --------------------------------------------------------------------------------------
+
+OUTAGE_WINDOW_ENV = "FACTORY_PREFECT_OUTAGE_S"
+DEFAULT_OUTAGE_WINDOW_S = 300.0
+"""How long a run waits out a Prefect API outage by default before failing with `describe_prefect_outage`'s line."""
+
+
+def client_max_retries(window_s: float) -> int:
+    """PREFECT_CLIENT_MAX_RETRIES whose back-off covers `window_s` seconds of outage.
+
+    Prefect's client waits 2**k seconds before retry k (k = 1, 2, ..., no cap; +-20% jitter by default) and, once it
+    has reached the server, retries connection errors too; n retries wait 2**(n+1) - 2 seconds in all. Its default of
+    5 rides out about a minute.
+    """
+    retries = 1
+    while 2 ** (retries + 1) - 2 < window_s:
+        retries += 1
+    return retries
+
+
+def ridden_out_s(max_retries: int) -> int:
+    """Seconds of outage `max_retries` retries wait out (without jitter)."""
+    return 2 ** (max_retries + 1) - 2
+
+
+def outage_environ(window_s: float | None = None) -> dict[str, str]:
+    """The Prefect client settings a process needs to ride out an outage of `window_s` (default: FACTORY_PREFECT_OUTAGE_S,
+    else 300 s): exported by `factory-local env`/`up` to flows, the worker and the runs it starts."""
+    if window_s is None:
+        window_s = float(os.environ.get(OUTAGE_WINDOW_ENV) or DEFAULT_OUTAGE_WINDOW_S)
+    return {"PREFECT_CLIENT_MAX_RETRIES": os.environ.get("PREFECT_CLIENT_MAX_RETRIES", str(client_max_retries(window_s)))}
+
+
+_reported: set[str] = set()
+
+
+def best_effort(call, *args, what: str = "a progress report", **kwargs):
+    """`call(*args, **kwargs)` for a report the run can do without (progress, artifacts); a Prefect outage makes it a
+    warning (once per kind) instead of failing a run whose data path does not need the API."""
+    import logging
+
+    import httpx
+
+    try:
+        return call(*args, **kwargs)
+    except (httpx.TransportError, httpx.HTTPStatusError, OSError) as error:
+        if what not in _reported:
+            _reported.add(what)
+            logging.getLogger(__name__).warning("skipped %s: %s", what,
+                                                describe_prefect_outage(error) or f"{type(error).__name__}: {error}")
+        return None
+
+
+def exit_with_outage(line: str, code: int = 1) -> None:
+    """Print `error: line` as the very last line and leave: Prefect's log and event workers would otherwise print
+    their own failures to reach the API (tracebacks, event dumps) after it, at interpreter exit."""
+    import logging
+    import sys
+
+    logging.disable(logging.CRITICAL)
+    try:
+        from factory.local_prefect import drain_prefect_workers
+
+        drain_prefect_workers(timeout=2)
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    os._exit(code)

@@ -29,8 +29,11 @@ def format_duration(seconds: float) -> str:
 
 
 class ChunkProgress:
-    def __init__(self, name: str, *, total_chunks: int, done_before: int = 0, clock=time.monotonic) -> None:
+    def __init__(self, name: str, *, total_chunks: int, done_before: int = 0, groups_before: int = 0,
+                 clock=time.monotonic) -> None:
         self.name, self.total, self.done_before = name, total_chunks, done_before
+        self.groups_before = groups_before
+        """Groups committed by earlier sessions of a resumed run: the line reports the whole run's groups."""
         self.clock = clock
         self.started = clock()
         self.session_chunks = self.groups_kept = self.rollouts = 0
@@ -53,7 +56,11 @@ class ChunkProgress:
             eta = "ETA " + format_duration(elapsed / self.session_chunks * left)
         else:
             eta = "ETA ?"
-        return (f"{self.name}: {done}/{self.total} chunks, {self.groups_kept} groups kept, "
+        groups = self.groups_before + self.groups_kept
+        if not self.session_chunks and self.done_before:  # a resumed run: no rate measured yet (or nothing left)
+            speed = "resumed, nothing left to do" if left <= 0 else "resumed"
+            return f"{self.name}: {done}/{self.total} chunks, {groups} groups kept, {speed}, {eta}"
+        return (f"{self.name}: {done}/{self.total} chunks, {groups} groups kept, "
                 f"{rate:.1f} rollouts/s, {eta}")
 
 

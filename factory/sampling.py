@@ -202,14 +202,6 @@ class DynamicSampling:
             return "total_items"
         return "target_groups" if self.target_reached() else "max_items"
 
-    def stop_message(self) -> str | None:
-        """The message for a target run that ran out of items (None otherwise)."""
-        if self.target is None or self.target_reached():
-            return None
-        return (f"stopped: tried datagen.max_items={self.max_items} items and kept only {self.committed_groups} of "
-                f"datagen.target_groups={self.target} groups (most groups were dropped; see 'dropped' by reason). "
-                "Raise datagen.max_items, or make the items fit the policy (env.difficulties, datagen.curriculum)")
-
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"target_groups": self.target, "max_items": self.max_items,
                                "items_tried": self.committed_items, "stop_reason": self.stop_reason(),

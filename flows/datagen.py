@@ -30,6 +30,7 @@ from factory.datagen.run import DatagenRun
 from factory.datagen.runtime import check_importable_by_workers, make_task_runner
 from factory.preflight import PreflightError, preflight
 from factory.run_control import current_flow_run_id
+from factory.run_outcome import final_result
 from factory.slurm_cluster import ClusterFault
 from flows import datagen_cli
 from tasks.generate import generate_task
@@ -90,7 +91,7 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
         if current_flow_run_id():
             return state  # the deployment's run ends Cancelled too, without retries
         raise stopped
-    return state.result()
+    return final_result(state)  # a missed target or dead model servers: Failed, not retried
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)

@@ -137,8 +137,9 @@ def main(ref: str, argv: list[str] | None = None, *, run: RunDatagen) -> int:
         from factory.prefect_outage import describe_prefect_outage
 
         if outage := describe_prefect_outage(error):
-            print(f"error: {outage}", file=sys.stderr)
-            return 1
+            from factory.prefect_outage import exit_with_outage
+
+            exit_with_outage(outage)  # outage hook: the line stays last (no event-worker noise after it)
         known = classify(error)
         print(f"error: {known[1] if known else f'{type(error).__name__}: {error}'}", file=sys.stderr)
         return known[0] if known else 1

@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 
 from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_messages
 from factory.inference.client import InferenceClient, InferenceConfig
+from factory.inference.health import EndpointsDown
 from factory.inference.types import Completion, SamplingParams
 from factory.slurm_cluster import resolve_node_local, worker_identity
 
@@ -201,6 +202,8 @@ async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, m
         async with gate:
             try:
                 return await env.collect_trajectories(item, sampler)
+            except EndpointsDown:
+                raise  # no endpoint left: the chunk (and the run) fails now, naming them
             except Exception as error:  # recorded as data; the chunk decides if it is an outage
                 reason = f"generate_error: {type(error).__name__}: {error}"[:300]
                 logger.warning("item %s failed: %s", item.key, reason)
@@ -246,7 +249,12 @@ def generate_chunk(
     return result
 
 
+def retry_unless_endpoints_down(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition: a chunk is retried, unless every endpoint has been down for openai.down_after_s."""
+    return not isinstance(getattr(state, "data", None), EndpointsDown)
+
+
 generate_task = task(
     generate_chunk, name="generate", task_run_name="generate-chunk", retries=2, retry_delay_seconds=[5, 30],
-    cache_policy=NO_CACHE,
+    cache_policy=NO_CACHE, retry_condition_fn=retry_unless_endpoints_down,
 )

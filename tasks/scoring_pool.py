@@ -50,6 +50,12 @@ def score_item(spec: EnvSpec, item: Item, texts: Sequence[str | list[dict[str, A
     return results
 
 
+def ignore_ctrl_c() -> None:
+    """Scorer processes leave Ctrl-C (SIGINT to the terminal's whole process group) to the flow process, which stops
+    gracefully and then ends the pool; otherwise every scorer prints a KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class ScorerPool:
     """A process pool shared by every chunk scored in this process (forkserver: safe beside threads)."""
 
@@ -63,7 +69,7 @@ class ScorerPool:
             if pool is None:
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload([__name__])
-                pool = cls._pools[workers] = context.Pool(workers)
+                pool = cls._pools[workers] = context.Pool(workers, initializer=ignore_ctrl_c)
             return pool
 
     @classmethod

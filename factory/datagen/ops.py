@@ -167,8 +167,9 @@ class RunOps:
 
     # ---- progress ----------------------------------------------------------------------------------------------
 
-    def track(self, name: str, *, total_chunks: int, done_before: int) -> None:
-        self.progress = ChunkProgress(name, total_chunks=total_chunks, done_before=done_before)
+    def track(self, name: str, *, total_chunks: int, done_before: int, groups_before: int = 0) -> None:
+        self.progress = ChunkProgress(name, total_chunks=total_chunks, done_before=done_before,
+                                      groups_before=groups_before)
         self.logger.info(PROGRESS_PREFIX + self.progress.line())
 
     def chunk_committed(self, *, groups_kept: int, rollouts: int) -> None:

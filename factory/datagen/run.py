@@ -27,6 +27,9 @@ from factory.datagen.backpressure import Backpressure
 from factory.datagen.config import JobConfig, job_config_model
 from factory.datagen.ops import RunOps
 from factory.datagen.summary import summarize
+from factory.prefect_outage import best_effort
+from factory.run_outcome import (clean_start, count_discarded, forget_stats, read_discarded, target_missed_message,
+                                 whole_run_totals)
 from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
 from factory.store import ShardStore
 
@@ -95,13 +98,19 @@ class ChunkCommitter:
         (an earlier chunk reached the target)."""
         self.intervals.append((grouped.generate_started_at, grouped.generate_started_at + grouped.generate_s))
         if not self.sampler.admit(chunk, grouped):
+            count_discarded(self.store, self.run_id, self.producer, grouped)  # its rollouts still count
             return None
         stats = {**grouped.stats(), "chunk": chunk, **self.sampler.chunk_stats(chunk, grouped),
                  "flow_run_id": self.flow_run_id}  # view-run links to the flow run
-        self.store.write_run_file(self.run_id, chunk_stats_name(self.producer, chunk), json.dumps(stats))
+        stats_name = chunk_stats_name(self.producer, chunk)
+        self.store.write_run_file(self.run_id, stats_name, json.dumps(stats))
         # The chunk object, not quote(list): Dask rebuilds quote (a tuple subclass) around its own args, and the
         # writer got nested tuples; a plain iterable object is walked by neither Prefect nor Dask.
-        self.write_shard(self.root, self.run_id, self.producer, chunk, grouped)
+        try:
+            self.write_shard(self.root, self.run_id, self.producer, chunk, grouped)
+        except BaseException:  # no stats file for an uncommitted chunk
+            forget_stats(self.store, self.run_id, stats_name)
+            raise
         moves = self.sampler.committed(chunk, stats)
         if self.backpressure is not None:
             self.backpressure.committed += len(grouped.groups)
@@ -128,6 +137,7 @@ class DatagenRun:
         self.cfg, self.logger = cfg, logger
         self.store = ShardStore(d.store_root)
         self.ops = RunOps.start(self.store, cfg, logger)
+        clean_start(self.store, d.run_id, d.producer)  # temp files and stats files of uncommitted chunks
         self.store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
         self.spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
         env_class = self.spec.env_class()
@@ -170,7 +180,8 @@ class DatagenRun:
             sampler.progress(), key=artifact_key(d.run_id, "progress"),
             description=f"{self.env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id} "
                         f"(store {self.store.run_dir(d.run_id).absolute()})")
-        self.ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks))
+        self.ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks),
+                       groups_before=sampler.committed_groups)
 
     @property
     def stopping(self) -> bool:
@@ -217,14 +228,14 @@ class DatagenRun:
             self.logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk,
                              d.target_groups)
             return
-        update_progress_artifact(self.progress_id, self.sampler.progress())
+        best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())  # not fatal in an outage
         self.logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
         if self.curriculum is not None:
             for move in moves:
                 self.logger.info("curriculum: %s level %d -> %d (recent pass rate %.2f)", move["family"],
                                  move["from"], move["to"], move["pass_rate"])
-            create_table_artifact(table=self.curriculum.table(), key=artifact_key(d.run_id, "curriculum"),
-                                  description=f"{self.env_name} curriculum after chunk {chunk} of run {d.run_id}")
+            best_effort(create_table_artifact, table=self.curriculum.table(), key=artifact_key(d.run_id, "curriculum"),
+                        description=f"{self.env_name} curriculum after chunk {chunk} of run {d.run_id}")
         self.ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
 
     def commit_remaining(self) -> None:
@@ -244,7 +255,8 @@ class DatagenRun:
         seconds = time.perf_counter() - self.started
         summary = {**summarize(self.store, self.cfg, seconds, self.committer.session, self.committer.intervals),
                    **self.sampler.summary()}
-        if (message := self.sampler.stop_message()) is not None:
+        summary = whole_run_totals(summary, read_discarded(self.store, d.run_id, d.producer))
+        if (message := target_missed_message(summary)) is not None:
             self.logger.warning(message)
             summary["stop_message"] = message
         self.store.write_run_file(d.run_id, f"stats-{d.producer}.json", json.dumps(summary, indent=2))
@@ -259,10 +271,15 @@ class DatagenRun:
         """The one place the run's end state is decided; returns what the pipeline flow returns.
 
         Stopped by a signal: the runs are marked Cancelled (the process exits at once if chunks were abandoned).
+        A target missed within `max_items`: Failed, with the true numbers (run_datagen does not retry it).
         Otherwise the run completes with its summary.
         """
         summary = self.summary()
         if self.stopping:
             return self.ops.stopped(summary, abandoned=self.window.chunks())
         self.ops.finished()
+        if (message := summary.get("stop_message")) is not None:
+            from prefect.states import Failed
+
+            return Failed(message=message)
         return summary

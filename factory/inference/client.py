@@ -56,6 +56,10 @@ class InferenceConfig(FactoryConfig):
     # Atropos's APIServerConfig names, so an Atropos `openai:` section loads unchanged.
     n_kwarg_is_ignored: bool = Field(False, description="The server ignores n: send n requests of one (Atropos name).")
     health_check: bool = Field(True, description="Probe endpoint health at all; False trusts every endpoint (Atropos name).")
+    health_interval_s: float = Field(5.0, gt=0, description="Seconds between background health checks of every "
+                                     "endpoint while a client is open.")
+    down_after_s: float = Field(20.0, ge=0, description="Seconds every endpoint may fail (health checks, connections) "
+                                "before requests fail at once naming them (0: wait and retry as for any failure).")
     num_requests_for_eval: int = Field(64, ge=1, description="Accepted for Atropos configs; evaluation concurrency.")
     rolling_buffer_length: int = Field(1000, ge=1, description="Accepted for Atropos configs; not used here.")
     tokenizer_name: str = Field("none", description="Accepted for Atropos configs; the env's tokenizer_name is used.")
@@ -110,6 +114,10 @@ class InferenceClient:
     async def __aenter__(self) -> InferenceClient:
         if self.config.health_check and self.config.health_check_on_start:
             await self.pool.check_all()
+        if self.config.health_check and self.config.down_after_s > 0:
+            self.pool.start_watch(interval_s=self.config.health_interval_s, fail_after=2,
+                                  check_timeout_s=min(5.0, self.config.health_interval_s * 2),
+                                  dead_after_s=self.config.down_after_s)
         if self.config.server_type == "sglang":
             await asyncio.gather(*(self._read_version(ep) for ep in self.pool.endpoints if ep.healthy))
             self.policy_version = max((ep.policy_version for ep in self.pool.endpoints), default=0)
@@ -217,12 +225,22 @@ class InferenceClient:
 
     async def _attempt(self, ep: Endpoint, path: str, body: dict[str, Any],
                        parse: Callable[[Any, Endpoint], list[Completion]]) -> list[Completion]:
+        task = asyncio.current_task()
+        ep.requests.add(task)
         try:
             response = await self._http.post(ep.root + path, json=body)
+        except asyncio.CancelledError:
+            if task in ep.abandoned and task.uncancel() == 0:  # cancelled by the pool, not by our caller
+                raise _Retryable(f"{ep.root}{path}: abandoned, the endpoint fails its health checks ({ep.last_failure})",
+                                 eject=False) from None
+            raise
         except httpx.TimeoutException as error:
             raise _Retryable(f"{ep.root}{path}: timed out after {self.config.timeout:.0f} s ({type(error).__name__})")
         except httpx.TransportError as error:
             raise _Retryable(f"{ep.root}{path}: connection failed ({type(error).__name__}: {error})")
+        finally:
+            ep.requests.discard(task)
+            ep.abandoned.discard(task)
         status = response.status_code
         if status == 429:
             raise _Retryable(f"{ep.root}{path}: HTTP 429 rate limited", eject=False,

@@ -3,7 +3,8 @@
 An endpoint that fails `eject_after` times in a row (connection error, timeout,
 5xx) is taken out of rotation; a background probe polls its health route and
 puts it back once it answers 200. Requests wait (up to a deadline) while every
-endpoint is full or out.
+endpoint is full or out, unless a HealthWatch (factory/inference/health.py) has
+found every endpoint down: then they fail at once with EndpointsDown.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Endpoint:
     last_failure: str | None = None
     served: int = 0
     probe: asyncio.Task | None = field(default=None, repr=False)
+    requests: set = field(default_factory=set, repr=False)
+    """Tasks with a request in flight here (cancelled when the endpoint is taken out by its health checks)."""
+    abandoned: set = field(default_factory=set, repr=False)
+    """Of those, the ones this pool cancelled (so the request is retried elsewhere, not the caller cancelled)."""
 
 
 def endpoint_root(base_url: str) -> str:
@@ -55,6 +60,18 @@ class EndpointPool:
         self._http = http
         self._waiters: deque[asyncio.Future] = deque()
         self._turn = 0
+        self.watch: Any = None
+        """A started HealthWatch, or None (no background checks, no EndpointsDown)."""
+
+    def start_watch(self, **settings: Any) -> None:
+        """Check every endpoint's health in the background (call inside the client's event loop)."""
+        from factory.inference.health import HealthWatch
+
+        self.watch = HealthWatch(self, **settings)
+        self.watch.start()
+
+    def down_verdict(self) -> str | None:
+        return self.watch.verdict() if self.watch is not None else None
 
     def _pick(self) -> Endpoint | None:
         best: Endpoint | None = None
@@ -69,6 +86,10 @@ class EndpointPool:
     async def acquire(self, deadline: float) -> Endpoint:
         """The healthy endpoint with the fewest requests in flight, waiting for room until `deadline` (monotonic)."""
         while True:
+            if (verdict := self.down_verdict()) is not None:
+                from factory.inference.health import EndpointsDown
+
+                raise EndpointsDown(verdict)
             ep = self._pick()
             if ep is not None:
                 ep.in_flight += 1
@@ -103,20 +124,43 @@ class EndpointPool:
                 waiter.set_result(None)
                 return
 
+    def wake_all(self) -> None:
+        """Wake every waiting request (to see a new verdict)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
     def succeeded(self, ep: Endpoint) -> None:
         ep.consecutive_failures = 0
         ep.served += 1
+        if self.watch is not None:
+            self.watch.health.ok(ep.root)
 
     def failed(self, ep: Endpoint, reason: str, *, eject: bool = True) -> None:
         ep.last_failure = reason
         if not eject:
             return
+        if self.watch is not None:
+            self.watch.health.failed(ep.root, reason)
         ep.consecutive_failures += 1
         if ep.healthy and ep.consecutive_failures >= self.eject_after:
             logger.warning("taking %s out of rotation after %d failures in a row (last: %s)",
                            ep.root, ep.consecutive_failures, reason)
             ep.healthy = False
             self._start_probe(ep)
+
+    def take_out(self, ep: Endpoint, reason: str) -> None:
+        """Out of rotation now (its health checks fail); requests in flight on it are cancelled to be retried."""
+        ep.last_failure = reason
+        if ep.healthy:
+            logger.warning("taking %s out of rotation: %s", ep.root, reason)
+            ep.healthy = False
+            self._start_probe(ep)
+        for task in list(ep.requests):
+            if task not in ep.abandoned and not task.done():
+                ep.abandoned.add(task)
+                task.cancel()
 
     def _start_probe(self, ep: Endpoint) -> None:
         if ep.probe is None or ep.probe.done():
@@ -128,12 +172,14 @@ class EndpointPool:
             if await self.is_healthy(ep):
                 logger.info("%s answers its health check again; back in rotation", ep.root)
                 ep.healthy, ep.consecutive_failures = True, 0
+                if self.watch is not None:
+                    self.watch.health.ok(ep.root)
                 for _ in range(self.cap):
                     self._wake()
 
-    async def is_healthy(self, ep: Endpoint) -> bool:
+    async def is_healthy(self, ep: Endpoint, timeout: float = 5.0) -> bool:
         try:
-            response = await self._http.get(ep.root + self.health_path, timeout=5.0)
+            response = await self._http.get(ep.root + self.health_path, timeout=timeout)
         except httpx.HTTPError as error:
             ep.last_failure = f"health check: {type(error).__name__}: {error}"
             return False
@@ -152,6 +198,8 @@ class EndpointPool:
                 self._start_probe(ep)
 
     async def close(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
         for ep in self.endpoints:
             if ep.probe is not None and not ep.probe.done():
                 ep.probe.cancel()

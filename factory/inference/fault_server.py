@@ -26,8 +26,9 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requ
 class FaultServer:
     """Serve on 127.0.0.1:`port` from a background thread (start/stop) or in the caller's loop (serve_forever)."""
 
-    def __init__(self, port: int = 0, *, max_n: int | None = None, output_len: int = 4) -> None:
+    def __init__(self, port: int = 0, *, max_n: int | None = None, output_len: int = 4, delay_s: float = 0.0) -> None:
         self.port = port
+        self.delay_s = delay_s  # every sampling answer takes this long (a run that lasts long enough to be disturbed)
         self.max_n = max_n  # return at most this many choices (a server that caps or ignores n)
         self.output_len = output_len
         self.faults: deque[str] = deque()  # "500", "503", "429", "reset", "slow:<seconds>", "abort"
@@ -67,14 +68,17 @@ class FaultServer:
         return self
 
     def stop(self) -> None:
-        if self._loop is None or self._server is None:
+        if self._loop is None or self._server is None or not self._loop.is_running():
             return
 
         async def close() -> None:
             self._server.close()
             for writer in list(self._writers):
                 writer.transport.abort()
-            await self._server.wait_closed()
+            try:  # handlers still sleeping (delay_s, slow:) hold wait_closed on newer Pythons; their sockets are gone
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            except TimeoutError:
+                pass
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -130,6 +134,8 @@ class FaultServer:
         if path not in SAMPLING_PATHS:
             return 404, {"detail": f"no route {path}"}
         fault = self.faults.popleft() if self.faults else None
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         abort = False
         if fault is not None:
             if fault.startswith("slow:"):

@@ -116,3 +116,33 @@ def test_kill_9_mid_target_run_then_rerun_reaches_exactly_the_target(prefect_ser
     for k, plan in plans.items():
         assert json.loads((store.run_dir("killed") / chunk_stats_name(PRODUCER, k)).read_text())["plan"] == plan
     assert store.verify("killed") == []
+
+
+def test_a_missed_target_fails_without_retries_with_the_true_numbers_and_a_resume_reports_the_whole_run(
+        prefect_server, policy_server, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from factory.run_outcome import TargetMissed
+    from flows.datagen import intern_bootcamp_datagen
+
+    job = params(policy_server, tmp_path, "missed", 50, max_items=8)
+    started = time.monotonic()
+    with pytest.raises(TargetMissed) as caught:
+        intern_bootcamp_datagen(**job)
+    assert time.monotonic() - started < 60  # no flow retries (2 x 30 s)
+    store = ShardStore(tmp_path)
+    kept = store.count("missed")
+    message = str(caught.value)
+    assert message.startswith(f"missed the target: kept {kept} of datagen.target_groups=50 groups")
+    assert "(8 items tried, 32 rollouts;" in message  # 2 chunks of 4 items, group_size 4
+    summary = json.loads((store.run_dir("missed") / f"stats-{PRODUCER}.json").read_text())
+    assert summary["groups_kept"] == kept and summary["items_tried"] == 8 and summary["rollouts"] == 32
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if r.parameters.get("datagen", {}).get("run_id") == "missed"]
+    (parent,) = runs
+    assert parent.state.is_failed() and parent.run_count == 1 and message in parent.state.message
+
+    # A rerun with nothing left to do still reports the whole run, not "0 groups kept".
+    with pytest.raises(TargetMissed) as again:
+        intern_bootcamp_datagen(**job)
+    assert str(again.value) == message

@@ -16,6 +16,7 @@ from environments.bootcamp_tasks import parse_key
 from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
 from factory.curriculum import CurriculumSettings
 from factory.datagen.run import ChunkCommitter, ChunksInFlight, PlannedChunk
+from factory.run_outcome import target_missed_message
 from factory.sampling import DynamicSampling, curriculum_state_name, make_curriculum
 from factory.store import ShardStore
 from tasks.group import group_chunk
@@ -138,7 +139,8 @@ def test_hopeless_run_stops_at_max_items_with_a_clear_message(tmp_path):
     s = run_loop(store, target=5, max_items=23, pass_by_level=never, curriculum=False)
     assert store.count(RUN) == 0 and s.stop_reason() == "max_items"
     assert s.summary()["items_tried"] == 23
-    assert "max_items=23" in s.stop_message() and "kept only 0 of datagen.target_groups=5" in s.stop_message()
+    message = target_missed_message({**s.summary(), "groups_kept": store.count(RUN), "rollouts": 0, "dropped": {}})
+    assert "datagen.max_items=23" in message and "kept 0 of datagen.target_groups=5" in message
 
 
 def test_default_item_cap_is_ten_items_per_target_group(tmp_path):

@@ -38,7 +38,7 @@ def test_yaml_typo_names_the_file_and_the_key(tmp_path):
 def test_progress_line_has_chunks_groups_rate_and_eta():
     now = [0.0]
     progress = ChunkProgress("bootcamp", total_chunks=10, done_before=2, clock=lambda: now[0])
-    assert progress.line() == "bootcamp: 2/10 chunks, 0 groups kept, 0.0 rollouts/s, ETA ?"
+    assert progress.line() == "bootcamp: 2/10 chunks, 0 groups kept, resumed, ETA ?"
     now[0] = 20.0
     assert progress.update(groups_kept=40, rollouts=640) == "bootcamp: 3/10 chunks, 40 groups kept, 32.0 rollouts/s, ETA 2m20s"
     now[0] = 40.0

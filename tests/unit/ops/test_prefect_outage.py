@@ -37,3 +37,40 @@ def test_other_failures_are_left_as_they_are():
     inference = failed_request(f"http://127.0.0.1:{free_port()}/v1/completions")
     assert describe_prefect_outage(inference, api_url=api) is None
     assert describe_prefect_outage(ValueError("bad config"), api_url=api) is None
+
+
+def test_client_retries_cover_the_configured_outage_window(monkeypatch):
+    from factory.prefect_outage import client_max_retries, outage_environ, ridden_out_s
+
+    assert client_max_retries(60) == 5 and ridden_out_s(5) == 62  # Prefect's default: about a minute
+    assert client_max_retries(300) == 8 and ridden_out_s(8) == 510  # >= 5 minutes
+    assert client_max_retries(14) == 3
+    monkeypatch.delenv("PREFECT_CLIENT_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("FACTORY_PREFECT_OUTAGE_S", "120")
+    assert outage_environ() == {"PREFECT_CLIENT_MAX_RETRIES": "6"}
+    monkeypatch.setenv("PREFECT_CLIENT_MAX_RETRIES", "2")  # an explicit setting wins
+    assert outage_environ() == {"PREFECT_CLIENT_MAX_RETRIES": "2"}
+
+
+def test_the_local_stack_exports_the_retry_setting(monkeypatch, tmp_path):
+    from factory.local_prefect import LocalPrefect
+
+    monkeypatch.delenv("PREFECT_CLIENT_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("FACTORY_PREFECT_OUTAGE_S", raising=False)
+    assert LocalPrefect(home=tmp_path).environ()["PREFECT_CLIENT_MAX_RETRIES"] == "8"
+
+
+def test_a_report_during_an_outage_is_a_warning_not_a_failed_run(caplog):
+    from factory.prefect_outage import best_effort
+
+    api = f"http://127.0.0.1:{free_port()}/api"
+
+    def update_artifact():
+        httpx.get(f"{api}/artifacts/x", timeout=2)
+
+    assert best_effort(update_artifact, what="test artifact") is None
+    assert best_effort(update_artifact, what="test artifact") is None
+    assert sum("skipped test artifact" in r.getMessage() for r in caplog.records) == 1
+    assert best_effort(lambda: 7) == 7
+    with pytest.raises(ZeroDivisionError):
+        best_effort(lambda: 1 / 0)  # a bug is not swallowed
