@@ -17,6 +17,7 @@ yet indexed by the API) hold `max_batches_offpolicy` batches or more.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -28,11 +29,12 @@ from prefect.artifacts import create_table_artifact, update_progress_artifact
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
-from factory.config import FactoryConfig, build_config, to_yaml
+from factory.config import FactoryConfig, build_config, deployment_defaults, merge_run_parameters, to_yaml
 from factory.curriculum import CurriculumSettings
+from factory.flow_context import in_flow_run, tasks_on
 from factory.inference.client import InferenceConfig
 from factory.preflight import PreflightError, preflight
-from factory.run_control import current_flow_run_id
+from factory.run_logging import outcome_warning, project_logs_to_run
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.slurm_cluster import ClusterFault
 from factory.store import ShardStore
@@ -293,8 +295,15 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
 def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
                 datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
                 config_path: str | None = None, cli_args: list[str] | None = None) -> dict[str, Any]:
-    """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
-    values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
+    """Resolve the config and run the pipeline on the configured task runner.
+
+    Inside a flow run (a deployment's run, or the env's named flow called from Python) the pipeline runs in that
+    run, not as a subflow; from the CLI the pipeline flow is the top-level run.
+    """
+    # A deployment's sections are defaults: a run's `--params '{"env": {...}}'` changes only the keys it names.
+    sections = merge_run_parameters(deployment_defaults() if in_flow_run() else {},
+                                    {"env": env, "openai": openai, "datagen": datagen, "serve": serve})
+    values = {k: v for k, v in sections.items() if v}
     try:  # configuration faults: failed at once, never retried
         cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
         use_endpoints_block(cfg)  # before preflight, which checks the block's endpoints
@@ -308,16 +317,32 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
 
         fail_without_retry(str(error))  # a wrong setting is not retried
         raise
+    if in_flow_run():  # the run the user started does the work: its tasks, logs and artifacts are on it
+        return run_pipeline_here(ref, cfg, runner)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
     state = pipeline(ref, cfg.model_dump(mode="json"), return_state=True)
     if state.is_cancelled():
         message = state.message or "cancelled"
-        stopped = RunStopped(message, 130 if "SIGINT" in message else 143)
-        if current_flow_run_id():
-            return state  # the deployment's run ends Cancelled too, without retries
-        raise stopped
-    return state.result()
+        raise RunStopped(message, 130 if "SIGINT" in message else 143)
+    summary = state.result()
+    if warning := outcome_warning(summary):
+        logging.getLogger(__name__).warning(warning)
+    return summary
+
+
+def run_pipeline_here(ref: str, cfg: JobConfig, runner: Any) -> Any:
+    """The pipeline's body in the current flow run on `runner`; the project's warnings go to the run's log."""
+    logger = get_run_logger()
+    with project_logs_to_run(logger), tasks_on(runner):
+        try:
+            result = datagen_pipeline.fn(ref, cfg.model_dump(mode="json"))
+        except BaseException:
+            close_current()  # what the pipeline flow's on_failure/on_crashed hooks do as a subflow
+            raise
+    if isinstance(result, dict) and (warning := outcome_warning(result)):
+        logger.warning(warning)
+    return result  # a Cancelled state after SIGTERM/SIGINT: the run ends Cancelled, without retries
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)
