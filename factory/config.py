@@ -320,3 +320,10 @@ def deployment_defaults() -> dict[str, Any]:
             return dict(client.read_deployment(deployment_id).parameters or {})
     except Exception:  # noqa: BLE001 - no API reachable: the run's own parameters stand alone
         return {}
+
+
+def deployment_sections(**given: dict[str, Any] | None) -> dict[str, Any]:
+    """A flow's config sections, each merged key by key into its deployment's (outside a deployment run: as given);
+    sections not given and not in the deployment are left out."""
+    merged = merge_run_parameters(deployment_defaults(), given)
+    return {name: value for name, value in merged.items() if value}

@@ -169,7 +169,7 @@ class LocalPrefect:
             time.sleep(0.5)
         (self.home / STACK_FILE).write_text(json.dumps({"port": self.port, "api_url": self.api_url,
                                                         "checkout": str(self.home.parent)}) + "\n")
-        self.created_pools[:] = [name for name in self.pools() if self._ensure_pool(name)]
+        self.ensure_pools()
         self.ensure_zombie_automation()
         if worker and self._pid("worker") is None:
             self._start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process"])
@@ -177,6 +177,11 @@ class LocalPrefect:
     def pools(self) -> list[str]:
         """The work pools to create: this stack's own, then every other one the checkout's prefect.yaml names."""
         return list(dict.fromkeys([self.pool, *deployment_pools(self.home.parent / "prefect.yaml")]))
+
+    def ensure_pools(self) -> list[str]:
+        """Create every work pool in `pools()` that does not exist yet; returns (and remembers) the ones created."""
+        self.created_pools[:] = [name for name in self.pools() if self._ensure_pool(name)]
+        return list(self.created_pools)
 
     def _ensure_pool(self, name: str) -> bool:
         """Create process work pool `name` unless it exists; whether it was created."""

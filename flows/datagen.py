@@ -29,7 +29,7 @@ from prefect.artifacts import create_table_artifact, update_progress_artifact
 from pydantic import Field, create_model
 
 from environments.base import EnvConfig, EnvSpec, load_env
-from factory.config import FactoryConfig, build_config, deployment_defaults, merge_run_parameters, to_yaml
+from factory.config import FactoryConfig, build_config, deployment_sections, to_yaml
 from factory.curriculum import CurriculumSettings
 from factory.flow_context import in_flow_run, tasks_on
 from factory.inference.client import InferenceConfig
@@ -301,9 +301,7 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
     run, not as a subflow; from the CLI the pipeline flow is the top-level run.
     """
     # A deployment's sections are defaults: a run's `--params '{"env": {...}}'` changes only the keys it names.
-    sections = merge_run_parameters(deployment_defaults() if in_flow_run() else {},
-                                    {"env": env, "openai": openai, "datagen": datagen, "serve": serve})
-    values = {k: v for k, v in sections.items() if v}
+    values = deployment_sections(env=env, openai=openai, datagen=datagen, serve=serve)
     try:  # configuration faults: failed at once, never retried
         cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
         use_endpoints_block(cfg)  # before preflight, which checks the block's endpoints

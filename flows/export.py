@@ -27,7 +27,6 @@ from factory.export.config import (
     SourceConfig,
 )
 from factory.export.source import check_store_source
-from factory.flow_context import in_flow_run
 from tasks.export import publish_summary_task, run_export_task
 
 
@@ -38,7 +37,7 @@ def _config(model: type[SftExportConfig] | type[DpoExportConfig], **sections: Se
     """The export config from the flow's sections, each merged key by key into the deployment's own."""
     given = {name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value
              for name, value in sections.items()}
-    merged = merge_run_parameters(deployment_defaults() if in_flow_run() else {}, given)
+    merged = merge_run_parameters(deployment_defaults(), given)
     return validate_config(model, {name: value for name, value in merged.items() if value is not None},
                            sources=[("the flow parameters", given)])
 

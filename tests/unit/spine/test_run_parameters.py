@@ -40,3 +40,9 @@ def test_a_plain_value_replaces_the_default():
 
 def test_outside_a_flow_run_there_are_no_deployment_defaults():
     assert deployment_defaults() == {}
+
+
+def test_outside_a_deployment_run_the_sections_given_stand_and_empty_ones_are_left_out():
+    from factory.config import deployment_sections
+
+    assert deployment_sections(train={"total_steps": 3}, source=None, push={}) == {"train": {"total_steps": 3}}
