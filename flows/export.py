@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 from prefect import flow, get_run_logger
-
 from pydantic import BaseModel
 
 from factory.config import build_config, deployment_defaults, merge_run_parameters, split_config_path, validate_config
@@ -55,7 +54,8 @@ def _run(config: SftExportConfig | DpoExportConfig, kind: str) -> dict[str, Any]
 
 
 @flow(name="sft-export", log_prints=False)
-def sft_export(output: OutputConfig | dict[str, Any] | None = None, source: SourceConfig | dict[str, Any] | None = None,
+def sft_export(output: OutputConfig | dict[str, Any] | None = None,
+               source: SourceConfig | dict[str, Any] | None = None,
                select: SelectionConfig | dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the best sequences of each group as SFT rows; returns the summary (also an artifact)."""
     config = _config(SftExportConfig, output=output, source=source, select=select)
@@ -63,7 +63,8 @@ def sft_export(output: OutputConfig | dict[str, Any] | None = None, source: Sour
 
 
 @flow(name="dpo-export", log_prints=False)
-def dpo_export(output: OutputConfig | dict[str, Any] | None = None, source: SourceConfig | dict[str, Any] | None = None,
+def dpo_export(output: OutputConfig | dict[str, Any] | None = None,
+               source: SourceConfig | dict[str, Any] | None = None,
                select: DpoSelectionConfig | dict[str, Any] | None = None) -> dict[str, Any]:
     """Write chosen/rejected pairs within each group as DPO rows; returns the summary (also an artifact)."""
     config = _config(DpoExportConfig, output=output, source=source, select=select)
