@@ -286,3 +286,44 @@ def _field_lines(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
             continue
         meta = f"({_type_name(field.annotation)}, {_default_text(field)})"
         lines.append(_option(f"--{key}", text, meta))
+
+
+def merge_run_parameters(defaults: dict[str, Any] | None, given: dict[str, Any | None]) -> dict[str, Any]:
+    """A run's parameters merged key by key into its deployment's defaults (None: the parameter was not given).
+
+    Prefect replaces a deployment's parameter wholesale when a run sets it, so `--params '{"env": {"total_items":
+    8}}'` would drop every other key of the deployment's `env`; merged here, only `env.total_items` changes.
+    """
+    merged: dict[str, Any] = {}
+    for name, value in given.items():
+        default = (defaults or {}).get(name)
+        if isinstance(default, dict) and isinstance(value, dict):
+            merged[name] = deep_merge(default, value)
+        else:
+            merged[name] = default if value is None else value
+    return merged
+
+
+def deployment_defaults() -> dict[str, Any]:
+    """The parameters of the deployment this flow run was started from ({} outside a deployment run)."""
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.context import FlowRunContext
+    except ImportError:  # pragma: no cover - prefect is a dependency
+        return {}
+    context = FlowRunContext.get()
+    deployment_id = context.flow_run.deployment_id if context and context.flow_run else None
+    if deployment_id is None:
+        return {}
+    try:
+        with get_client(sync_client=True) as client:
+            return dict(client.read_deployment(deployment_id).parameters or {})
+    except Exception:  # noqa: BLE001 - no API reachable: the run's own parameters stand alone
+        return {}
+
+
+def deployment_sections(**given: dict[str, Any] | None) -> dict[str, Any]:
+    """A flow's config sections, each merged key by key into its deployment's (outside a deployment run: as given);
+    sections not given and not in the deployment are left out."""
+    merged = merge_run_parameters(deployment_defaults(), given)
+    return {name: value for name, value in merged.items() if value}

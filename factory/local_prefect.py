@@ -6,12 +6,16 @@ default is a real `prefect server` under a project directory. Everything lives
 in `FACTORY_HOME` (default `./.factory`): the Prefect home and database, pid
 files and logs.
 
+`up` creates every work pool that prefect.yaml's deployments name (a process pool each), so `prefect deploy
+--all` registers them all; it starts a worker for `local-process` only. A SLURM deployment's pool
+(`slurm-head`) waits for a worker started where sbatch works (README "Running on a cluster").
+
 One checkout, one stack: a port that already serves another checkout's stack
 is refused (naming that checkout and a free port to use instead), never reused;
 the port chosen with FACTORY_PREFECT_PORT is remembered in `stack.json`, so
 `factory-local env`, `status` and `down` find the same stack later.
 
-    factory-local up       # server + work pool + worker, waits until healthy
+    factory-local up       # server + work pools + worker, waits until healthy
     factory-local env      # prints the exports that point a shell at it
     factory-local status
     factory-local down     # SIGINT to the worker, SIGTERM to the server
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -58,6 +63,7 @@ class LocalPrefect:
     home: Path
     port: int = DEFAULT_PORT
     pool: str = DEFAULT_POOL
+    created_pools: list[str] = dataclasses.field(default_factory=list, compare=False)
 
     @classmethod
     def from_env(cls) -> LocalPrefect:
@@ -166,26 +172,37 @@ class LocalPrefect:
             time.sleep(0.5)
         (self.home / STACK_FILE).write_text(json.dumps({"port": self.port, "api_url": self.api_url,
                                                         "checkout": str(self.home.parent)}) + "\n")
-        self._ensure_pool()
+        self.ensure_pools()
         self.ensure_zombie_automation()
         if worker and self._pid("worker") is None:
             self._start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process"])
 
-    def _ensure_pool(self) -> None:
+    def pools(self) -> list[str]:
+        """The work pools to create: this stack's own, then every other one the checkout's prefect.yaml names."""
+        return list(dict.fromkeys([self.pool, *deployment_pools(self.home.parent / "prefect.yaml")]))
+
+    def ensure_pools(self) -> list[str]:
+        """Create every work pool in `pools()` that does not exist yet; returns (and remembers) the ones created."""
+        self.created_pools[:] = [name for name in self.pools() if self._ensure_pool(name)]
+        return list(self.created_pools)
+
+    def _ensure_pool(self, name: str) -> bool:
+        """Create process work pool `name` unless it exists; whether it was created."""
         env = {**os.environ, **self.environ()}
         listing = subprocess.run(
-            [sys.executable, "-m", "prefect", "work-pool", "inspect", self.pool], env=env, capture_output=True, text=True
+            [sys.executable, "-m", "prefect", "work-pool", "inspect", name], env=env, capture_output=True, text=True
         )
         if listing.returncode == 0:
-            return
+            return False
         created = subprocess.run(
-            [sys.executable, "-m", "prefect", "work-pool", "create", self.pool, "--type", "process"],
+            [sys.executable, "-m", "prefect", "work-pool", "create", name, "--type", "process"],
             env=env,
             capture_output=True,
             text=True,
         )
         if created.returncode != 0 and "already exists" not in created.stdout + created.stderr:
-            raise StackError(f"could not create work pool {self.pool!r}: {created.stdout}{created.stderr}")
+            raise StackError(f"could not create work pool {name!r}: {created.stdout}{created.stderr}")
+        return True
 
     def ensure_zombie_automation(self) -> None:
         """Install Prefect's zombie detection: a RUNNING flow run whose heartbeats stop is marked Crashed."""
@@ -242,6 +259,18 @@ class LocalPrefect:
             "worker_pid": self._pid("worker"),
             "home": str(self.home),
         }
+
+
+def deployment_pools(prefect_yaml: Path) -> list[str]:
+    """Work pool names that the deployments of a prefect.yaml use, in order of first use ([] without the file)."""
+    import yaml
+
+    try:
+        spec = yaml.safe_load(prefect_yaml.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    names = [((d or {}).get("work_pool") or {}).get("name") for d in spec.get("deployments") or []]
+    return list(dict.fromkeys(name for name in names if isinstance(name, str) and name))
 
 
 @contextlib.contextmanager
@@ -332,7 +361,11 @@ def _main(argv: list[str]) -> int:
     stack = LocalPrefect.from_env()
     if args.command == "up":
         stack.up(worker=not args.no_worker)
-        print(f"Prefect is up at {stack.api_url} (UI: http://127.0.0.1:{stack.port}); work pool '{stack.pool}'.")
+        print(f"Prefect is up at {stack.api_url} (UI: http://127.0.0.1:{stack.port}); work pool '{stack.pool}' "
+              "with a worker.")
+        for name in stack.pools()[1:]:
+            print(f"Work pool '{name}' {'created' if name in stack.created_pools else 'exists'}, no worker here: start "
+                  f"one where its jobs can run (`prefect worker start --pool {name}`; README \"Running on a cluster\").")
         print("Point a shell at it with: eval \"$(factory-local env)\"")
     elif args.command == "down":
         stack.down()

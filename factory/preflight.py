@@ -6,8 +6,9 @@ What is checked: every inference endpoint answers (its health route) and, for
 OpenAI-compatible servers (`openai.server_type` openai/vllm), lists `openai.model_name`; `env.tokenizer_name` is either an
 existing local directory with tokenizer files or a hub id (a path-like value
 that does not exist is an error, and in offline mode a hub id must be in the
-local Hugging Face cache); the store root is writable; in serve mode the
-batching API answers. Retries are for transient faults during a run: a
+local Hugging Face cache); the env's dataset is readable (`env.data_file` exists, or the hub dataset
+`env.dataset_name` is cached when offline and the hub answers when online); a judge endpoint (`env.judge` or
+`env.judge_block`) answers; the store root is writable; in serve mode the batching API answers. Retries are for transient faults during a run: a
 setting that is wrong at start is reported once, not retried for minutes.
 """
 
@@ -139,6 +140,89 @@ def check_api(setting: str, url: str, *, timeout: float = 5.0) -> None:
                              "is this the batching API?")
 
 
+def _datasets_cache_dirs(name: str) -> list[Path]:
+    """Where `datasets` and the hub client keep a downloaded hub dataset."""
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", hf_home / "datasets")).expanduser()
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+        hub_cache = Path(HF_HUB_CACHE)
+    except ImportError:  # pragma: no cover - datasets always brings it
+        hub_cache = hf_home / "hub"
+    return [datasets_cache / name.replace("/", "___"), hub_cache / f"datasets--{name.replace('/', '--')}"]
+
+
+def check_dataset(env: Any, *, timeout: float = 5.0) -> None:
+    """The env's rows can be read: `env.data_file` exists, or the hub dataset `env.dataset_name` is reachable.
+
+    Offline (HF_HUB_OFFLINE) a hub dataset must already be cached; online the hub must answer within `timeout`
+    (otherwise `datasets` retries for minutes before the run fails).
+    """
+    data_file = getattr(env, "data_file", None)
+    name = getattr(env, "dataset_name", None)
+    if data_file:
+        if not Path(data_file).is_file():
+            raise PreflightError("env.data_file", data_file, f"no such file ({Path(data_file).absolute()}); point "
+                                 "it at a local JSONL of the env's rows")
+        return
+    if not name:
+        return
+    if looks_like_path(name):
+        if not Path(name).exists():
+            raise PreflightError("env.dataset_name", name, f"no such directory ({Path(name).absolute()})")
+        return
+    fix = "download it once with network (datasets.load_dataset) or set env.data_file to a local JSONL"
+    if _offline():
+        if not any(path.is_dir() for path in _datasets_cache_dirs(name)):
+            raise PreflightError("env.dataset_name", name, "is a hub dataset that is not in the local cache and "
+                                 f"HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set; {fix}")
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        answer = httpx.get(f"{endpoint}/api/datasets/{name}", timeout=timeout)
+    except httpx.HTTPError as error:
+        cached = any(path.is_dir() for path in _datasets_cache_dirs(name))
+        hint = "it is cached: set HF_HUB_OFFLINE=1 to use the copy" if cached else fix
+        raise PreflightError("env.dataset_name", name, f"the hub ({endpoint}) is not reachable "
+                             f"({type(error).__name__}); {hint}") from None
+    if answer.status_code in (401, 404):
+        raise PreflightError("env.dataset_name", name, f"the hub has no dataset by this name (HTTP "
+                             f"{answer.status_code}); fix the id or set env.data_file")
+
+
+def check_judge(env: Any, *, timeout: float = 5.0) -> None:
+    """An env that scores with a judge model (`env.judge` / `env.judge_block`) can reach its judge endpoint."""
+    if not hasattr(env, "judge_block"):
+        return
+    block = getattr(env, "judge_block", None)
+    if block:
+        try:
+            from blocks.inference import InferenceEndpointsBlock
+
+            judge = InferenceEndpointsBlock.load(block).inference_config()
+        except ValueError as error:
+            raise PreflightError("env.judge_block", block, f"no such block ({error}); save an "
+                                 "InferenceEndpointsBlock for the judge or set env.judge.base_url") from None
+        setting = "env.judge_block"
+    else:
+        judge = getattr(env, "judge", None)
+        setting = "env.judge.base_url"
+        if judge is None:
+            raise PreflightError(setting, None, "this env scores with a judge model; set env.judge.base_url (an "
+                                 "OpenAI-compatible server) or env.judge_block")
+    headers = {"Authorization": f"Bearer {judge.api_key}"}
+    for url in judge.urls:
+        try:
+            check_endpoint(url, server_type=judge.server_type, model_name=judge.model_name, timeout=timeout,
+                           headers=headers, setting=setting)
+        except PreflightError as error:
+            if "not reachable" in error.reason:
+                raise PreflightError(setting, url, f"the judge endpoint is not reachable within {timeout:g}s; start "
+                                     "a judge server there, or point env.judge.base_url / env.judge_block at "
+                                     "one") from None
+            raise
+
+
 def _with_wait(check: Any, wait_s: float) -> None:
     """Run `check` until it passes or `wait_s` seconds have passed (0: once); re-raise the last PreflightError."""
     deadline = time.monotonic() + wait_s
@@ -166,11 +250,13 @@ def preflight(cfg: Any, *, mode: str = "process", wait_s: float = 0.0, timeout: 
     elif generate:
         raise PreflightError("env.tokenizer_name", None, "token in/out sampling (/generate) needs the policy's "
                              "tokenizer; set it to the policy directory or hub id")
+    check_dataset(env, timeout=timeout)
     headers = {"Authorization": f"Bearer {openai.api_key}"}
     for url in openai.urls:
         if urlsplit(url).netloc == NODE_LOCAL_HOST:
             continue  # each SLURM worker's own node server: its job prologue waits for /health before the worker starts
         _with_wait(lambda url=url: check_endpoint(url, server_type=openai.server_type, model_name=openai.model_name,
                                                   timeout=timeout, headers=headers), wait_s)
+    _with_wait(lambda: check_judge(env, timeout=timeout), wait_s)
     if mode == "serve" and cfg.serve.api_url:
         _with_wait(lambda: check_api("serve.api_url", cfg.serve.api_url, timeout=timeout), wait_s)

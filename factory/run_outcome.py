@@ -136,6 +136,16 @@ def final_result(state: Any) -> Any:
         raise
 
 
+def pipeline_failed_here(error: BaseException) -> None:
+    """The pipeline ran in the calling flow run and raised: dead model servers fail that run without retries."""
+    from factory.inference.health import EndpointsDown
+
+    if isinstance(error, EndpointsDown):
+        from factory.run_control import fail_without_retry
+
+        fail_without_retry(str(error))
+
+
 def check_outcome(summary: dict[str, Any]) -> None:
     """Raise TargetMissed when the summary says the run missed its target."""
     if (message := target_missed_message(summary)) is not None:

@@ -23,7 +23,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from factory.atropos_env import (AtroposEnvConfig, AtroposEnvJob, EnvProgress, ensure_trainer, ingested_groups,
                                  supervise_env)
-from factory.config import build_config, config_help, parse_cli_overrides, split_config_path, wants_help
+from factory.config import build_config, config_help, deployment_sections, parse_cli_overrides, split_config_path, wants_help
 
 
 def _percent(progress: EnvProgress, config: AtroposEnvConfig) -> float:
@@ -69,7 +69,7 @@ def atropos_env_flow(env: dict[str, Any] | None = None, config_path: str | None 
                      task_runner_block: str | None = None) -> dict[str, Any]:
     """Run the env until its target groups, its runtime limit or its own end; returns the groups ingested."""
     logger = get_run_logger()
-    values: dict[str, Any] = {"env": env or {}}
+    values: dict[str, Any] = {"env": deployment_sections(env=env).get("env", {})}
     if task_runner_block is not None:
         values["task_runner_block"] = task_runner_block
     job = build_config(AtroposEnvJob, yaml_path=config_path, values=values)

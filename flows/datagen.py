@@ -16,21 +16,24 @@ yet indexed by the API) hold `max_batches_offpolicy` batches or more.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 
+from factory.config import deployment_sections
 from factory.datagen.config import (ENVIRONMENTS, DatagenSettings, JobConfig, ServeSettings,  # noqa: F401 (re-exported)
                                     build_job_config, job_config_model)
 from factory.datagen.endpoints import choose_endpoints
 from factory.datagen.ops import RunStopped, close_current
 from factory.datagen.run import DatagenRun
 from factory.datagen.runtime import check_importable_by_workers, make_task_runner
+from factory.flow_context import in_flow_run, tasks_on
 from factory.preflight import PreflightError, preflight
-from factory.run_control import current_flow_run_id
-from factory.run_outcome import final_result
+from factory.run_logging import outcome_warning, project_logs_to_run
+from factory.run_outcome import final_result, pipeline_failed_here, raise_if_target_missed
 from factory.slurm_cluster import ClusterFault
 from flows import datagen_cli
 from tasks.generate import generate_task
@@ -67,8 +70,13 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
 def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str, Any] | None = None,
                 datagen: dict[str, Any] | None = None, serve: dict[str, Any] | None = None,
                 config_path: str | None = None, cli_args: list[str] | None = None) -> dict[str, Any]:
-    """Resolve the config and run the pipeline on the configured task runner (a subflow)."""
-    values = {k: v for k, v in {"env": env, "openai": openai, "datagen": datagen, "serve": serve}.items() if v}
+    """Resolve the config and run the pipeline on the configured task runner.
+
+    Inside a flow run (a deployment's run, or the env's named flow called from Python) the pipeline runs in that
+    run, not as a subflow; from the CLI the pipeline flow is the top-level run.
+    """
+    # A deployment's sections are defaults: a run's `--params '{"env": {...}}'` changes only the keys it names.
+    values = deployment_sections(env=env, openai=openai, datagen=datagen, serve=serve)
     try:  # configuration faults: failed at once, never retried
         cfg = build_job_config(ref, config_path=config_path, values=values, cli_args=cli_args)
         choose_endpoints(cfg)  # before preflight, which checks the chosen endpoints
@@ -82,16 +90,36 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
 
         fail_without_retry(str(error))  # a wrong setting is not retried
         raise
+    if in_flow_run():  # the run the user started does the work: its tasks, logs and artifacts are on it
+        return run_pipeline_here(ref, cfg, runner)
     name = cfg.datagen.producer
     pipeline = datagen_pipeline.with_options(task_runner=runner, flow_run_name=f"{name}-{cfg.datagen.run_id}")
     state = pipeline(ref, cfg.model_dump(mode="json"), return_state=True)
     if state.is_cancelled():
         message = state.message or "cancelled"
-        stopped = RunStopped(message, 130 if "SIGINT" in message else 143)
-        if current_flow_run_id():
-            return state  # the deployment's run ends Cancelled too, without retries
-        raise stopped
-    return final_result(state)  # a missed target or dead model servers: Failed, not retried
+        raise RunStopped(message, 130 if "SIGINT" in message else 143)
+    summary = final_result(state)  # a missed target or dead model servers: Failed, not retried
+    if warning := outcome_warning(summary):
+        logging.getLogger(__name__).warning(warning)
+    return summary
+
+
+def run_pipeline_here(ref: str, cfg: JobConfig, runner: Any) -> Any:
+    """The pipeline's body in the current flow run on `runner`; the project's warnings go to the run's log."""
+    logger = get_run_logger()
+    with project_logs_to_run(logger), tasks_on(runner):
+        try:
+            result = datagen_pipeline.fn(ref, cfg.model_dump(mode="json"))
+        except BaseException as error:
+            close_current()  # what the pipeline flow's on_failure/on_crashed hooks do as a subflow
+            pipeline_failed_here(error)  # dead model servers: Failed without retries
+            raise
+    if not isinstance(result, dict):  # a State: Cancelled after SIGTERM/SIGINT, or Failed for a missed target
+        raise_if_target_missed(result)
+        return result  # the run ends Cancelled, without retries
+    if warning := outcome_warning(result):
+        logger.warning(warning)
+    return result
 
 
 @flow(name="intern-bootcamp-datagen", retries=2, retry_delay_seconds=30)

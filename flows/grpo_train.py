@@ -23,7 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import Field
 
-from factory.config import ConfigError, FactoryConfig, build_config, split_config_path
+from factory.config import ConfigError, FactoryConfig, build_config, deployment_sections, split_config_path
 from factory.train.config import TrainJobConfig
 from factory.train.dist_trainer import check_world
 from factory.train.launch import LocalLaunchSpec, SlurmLaunchSpec
@@ -84,7 +84,7 @@ def grpo_train(train: dict[str, Any] | None = None, source: dict[str, Any] | Non
                timeout_s: float | None = None) -> dict[str, Any]:
     """Train with GRPO on a torchrun job (local or SLURM) until `train.total_steps`; returns the summary."""
     logger = get_run_logger()
-    values = {k: v for k, v in {"train": train, "source": source, "push": push}.items() if v}
+    values = deployment_sections(train=train, source=source, push=push)  # a run's keys merge into the deployment's
     cfg = build_config(TrainJobConfig, yaml_path=config_path, values=values)
     cfg.train.output_dir = str(Path(cfg.train.output_dir).resolve())
     if Path(cfg.train.model_path).exists():

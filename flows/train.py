@@ -17,7 +17,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from factory.config import build_config, split_config_path
+from factory.config import build_config, deployment_sections, split_config_path
 from factory.preflight import check_model_ref
 from factory.train.config import TrainJobConfig
 from tasks.grpo import publish_train_summary_task, train_grpo_task
@@ -34,7 +34,7 @@ def train_grpo(train: dict[str, Any] | None = None, source: dict[str, Any] | Non
                push: dict[str, Any] | None = None, config_path: str | None = None) -> dict[str, Any]:
     """Train with GRPO until `train.total_steps` or `train.max_runtime_s`; returns the summary (also artifacts)."""
     logger = get_run_logger()
-    values = {k: v for k, v in {"train": train, "source": source, "push": push}.items() if v}
+    values = deployment_sections(train=train, source=source, push=push)  # a run's keys merge into the deployment's
     cfg = build_train_config(config_path=config_path, values=values)
     where = cfg.source.api_url if cfg.source.kind == "api" else f"store {cfg.source.store_root} runs {cfg.source.runs}"
     logger.info("GRPO on %s from %s, %d steps of %d sequences -> %s; pushing to %s", cfg.train.model_path, where,

@@ -142,3 +142,65 @@ def test_preflight_wait_polls_an_endpoint_that_comes_up(tmp_path):
         preflight(job(tmp_path, openai={"base_url": url}, env={"tokenizer_name": str(tokenizer_dir(tmp_path))}),
                   wait_s=2)
     assert 2 <= time.monotonic() - started < 8
+
+
+# ---- dataset and judge access -------------------------------------------------------------------------------------
+
+class EnvWith:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def test_a_hub_dataset_not_cached_while_offline_fails_in_one_line_at_once(tmp_path, monkeypatch):
+    from factory.preflight import check_dataset
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    started = time.monotonic()
+    with pytest.raises(PreflightError) as error:
+        check_dataset(EnvWith(dataset_name="openai/gsm8k-not-here", data_file=None))
+    assert time.monotonic() - started < 2
+    message = str(error.value)
+    assert message.startswith("preflight: env.dataset_name='openai/gsm8k-not-here': is a hub dataset that is not in")
+    assert "env.data_file" in message and "\n" not in message
+    (tmp_path / "hf" / "datasets" / "openai___gsm8k-not-here").mkdir(parents=True)
+    check_dataset(EnvWith(dataset_name="openai/gsm8k-not-here", data_file=None))  # cached: fine
+
+
+def test_a_local_data_file_wins_and_must_exist(tmp_path):
+    from factory.preflight import check_dataset
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("{}\n")
+    check_dataset(EnvWith(dataset_name="openai/never-fetched", data_file=str(rows)))
+    with pytest.raises(PreflightError, match="env.data_file=.*no such file"):
+        check_dataset(EnvWith(dataset_name="x/y", data_file=str(tmp_path / "missing.jsonl")))
+    check_dataset(EnvWith(task_name="RandomTask"))  # a generated env has no dataset
+
+
+def test_an_unreachable_hub_while_online_fails_within_the_timeout(monkeypatch):
+    from factory.preflight import check_dataset
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    with pytest.raises(PreflightError, match="the hub .* is not reachable"):
+        check_dataset(EnvWith(dataset_name="openai/gsm8k", data_file=None), timeout=2)
+
+
+def test_the_judge_endpoint_must_answer(fake_server):
+    from factory.inference.client import InferenceConfig
+    from factory.preflight import check_judge
+
+    check_judge(EnvWith(judge_block=None, judge=InferenceConfig(base_url=fake_server + "/v1", server_type="openai",
+                                                               model_name="tiny")))
+    check_judge(EnvWith(tokenizer_name=None))  # not a judge env: nothing to check
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    started = time.monotonic()
+    with pytest.raises(PreflightError) as error:
+        check_judge(EnvWith(judge_block=None, judge=InferenceConfig(base_url=dead, server_type="openai")), timeout=2)
+    assert time.monotonic() - started < 5
+    assert str(error.value).startswith(f"preflight: env.judge.base_url='{dead}': the judge endpoint is not reachable")
+    with pytest.raises(PreflightError, match="env.judge.base_url=None: this env scores with a judge"):
+        check_judge(EnvWith(judge_block=None, judge=None))
