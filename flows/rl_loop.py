@@ -206,7 +206,7 @@ def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
             "--train.batch_size", str(cfg.batch_size), "--train.total_steps", str(steps),
             "--train.checkpoint_every", str(cfg.checkpoint_every), "--train.optim.lr", str(cfg.lr),
             "--train.optim.warmup_steps", str(cfg.warmup_steps), "--source.api_url", api.url,
-            "--push.endpoints", f"[{server.base_url}]",
+            "--push.endpoints", f"[{server.base_url}]", "--push.background", "true",
             *(["--train.max_runtime_s", str(cfg.budget_s)] if cfg.total_steps is None else []),
         ]
         busy0 = _server_busy(server.base_url)
