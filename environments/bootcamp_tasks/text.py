@@ -23,7 +23,7 @@ def _word(rng: random.Random, difficulty: int) -> str:
 
 
 def _ladder_word(rng: random.Random, difficulty: int) -> str:
-    """Word length grows one step a level (3, 4, 6, then long words) for the families whose rule is per letter."""
+    """Word length grows one step a level (3, 4, 5-6, then long words) for the families whose rule is per letter."""
     pool = {1: SHORT_WORDS, 2: MID_WORDS, 3: WORDS}.get(difficulty, LONG_WORDS)
     return rng.choice(pool)
 
