@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"starter policy missing: using a tiny random policy at {model}")
     totals: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
 
-    with start_local_server(model) as server:
+    with start_local_server(model, wait_s=600) as server:  # a loaded shared machine can take minutes
         def side(arm: str, curriculum: dict | None) -> Any:
             def run() -> dict[str, float]:
                 seed = len(totals[arm])  # round r draws the items of seed r, the same seed for every arm
