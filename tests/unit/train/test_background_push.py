@@ -42,3 +42,22 @@ def test_a_failed_background_push_is_raised_to_the_trainer(monkeypatch) -> None:
     with pytest.raises(WeightPushError, match="refused"):
         pusher.wait()
     assert pusher.wait() == pytest.approx(0.0, abs=0.1)  # the error is raised once
+
+
+def test_the_batch_source_asks_again_when_the_api_drops_a_connection() -> None:
+    import httpx
+
+    from factory.train.sources import ApiBatchSource
+
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, json={"batch": [{"tokens": [[1]]}]})
+
+    source = ApiBatchSource("http://api", batch_size=1, max_token_len=8, num_steps=1, poll_s=0.01, max_wait_s=5)
+    source.http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
+    assert source.next_batch() == [{"tokens": [[1]]}] and calls["n"] == 2
+    source.close()
