@@ -120,6 +120,35 @@ def _server_busy(base_url: str) -> tuple[float, float]:
     return float(info.get("busy_s", 0.0)), float(info.get("update_s", 0.0))
 
 
+class BusySampler:
+    """(wall time, the server's cumulative busy seconds) every `every_s` on a thread, so the busy share can be taken
+    over the training window alone (the trainer's start-up, when nothing asks for rollouts, left out)."""
+
+    def __init__(self, base_url: str, every_s: float = 2.0) -> None:
+        import threading
+
+        self.base_url, self.every_s = base_url, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy-sampler", daemon=True)
+
+    def start(self) -> BusySampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._done.set()
+        self._thread.join(timeout=15)
+        return self.samples
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            stamp = time.time()
+            busy, _ = _server_busy(self.base_url)
+            if busy:
+                self.samples.append((stamp, busy))
+
+
 def trained_overlap(out: Path, plan: RLPlan) -> tuple[int, int]:
     """(eval problems among the problems datagen actually made, problems made), read from the run's shards."""
     import pyarrow.parquet as pq
@@ -173,6 +202,8 @@ def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     stop_rule = (f"{cfg.total_steps} steps" if cfg.total_steps is not None else f"{cfg.budget_s:g} s of training")
     busy0 = busy1 = (0.0, 0.0)
+    sampler: BusySampler | None = None
+    busy_samples: list[tuple[float, float]] = []
     try:
         log("== policy server, batching API")
         server = launch_local_server(policy, _free_port(), log_path=out / "logs" / "policy-server.log")
@@ -206,10 +237,11 @@ def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
             "--train.batch_size", str(cfg.batch_size), "--train.total_steps", str(steps),
             "--train.checkpoint_every", str(cfg.checkpoint_every), "--train.optim.lr", str(cfg.lr),
             "--train.optim.warmup_steps", str(cfg.warmup_steps), "--source.api_url", api.url,
-            "--push.endpoints", f"[{server.base_url}]",
+            "--push.endpoints", f"[{server.base_url}]", "--push.background", "true",
             *(["--train.max_runtime_s", str(cfg.budget_s)] if cfg.total_steps is None else []),
         ]
         busy0 = _server_busy(server.base_url)
+        sampler = BusySampler(server.base_url).start()
         train_started = time.monotonic()
         trainer = subprocess.Popen(train_cmd, env=base_env, stdout=open(out / "logs" / "trainer.log", "ab"),
                                    stderr=subprocess.STDOUT, cwd=ROOT)
@@ -221,6 +253,8 @@ def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
             raise RuntimeError(f"trainer exited with {trainer.returncode}; see {out / 'logs' / 'trainer.log'}")
     finally:
         stopping = time.monotonic()
+        if sampler is not None:
+            busy_samples = sampler.stop()
         for process in (trainer, datagen):
             _stop(process)
         if api is not None:
@@ -247,6 +281,10 @@ def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
               "push_s": total("push_s"), "server_busy_s": busy1[0] - busy0[0], "server_update_s": busy1[1] - busy0[1],
               "busy_share": (busy1[0] - busy0[0]) / train_wall if train_wall else None,
               "policy_lag_mean": sum(lags) / len(lags) if lags else None, "policy_lag_max": max(lags) if lags else None}
+    window = rl_report.training_window(metric_rows)
+    if window is not None:
+        timing["training_window_s"] = window[1] - window[0]
+        timing["busy_share_training"] = rl_report.busy_share_in(busy_samples, *window)
     table = rl_report.headline_table(before + after)
     title = (f"RL loop: {', '.join(cfg.families)} (difficulty {cfg.difficulties}), seed {cfg.seed}, group "
              f"{cfg.group_size}, batch {cfg.batch_size}, lr {cfg.lr}, {len(metric_rows)} steps in {train_wall:.0f} s "

@@ -31,11 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from environments.bootcamp_tasks import FAMILIES  # noqa: E402
+from environments.bootcamp_tasks.split import ContentSplit  # noqa: E402
 from factory.inference.tiny_model import build_tokenizer, init_model  # noqa: E402
 
-def sample_cases(rng: random.Random, count: int, difficulties: tuple[int, ...]) -> list:
+def sample_cases(rng: random.Random, count: int, difficulties: tuple[int, ...], side: str = "all") -> list:
+    """`side` "train" draws only train-side problems of the RL loop's content split (environments/bootcamp_tasks/
+    split.py, eval_share 0.25), so the starter never sees a problem the loop evaluates on; "all" draws any."""
     names = sorted(FAMILIES)
-    return [FAMILIES[rng.choice(names)].generate(rng, rng.choice(difficulties)) for _ in range(count)]
+    if side == "all":
+        return [FAMILIES[rng.choice(names)].generate(rng, rng.choice(difficulties)) for _ in range(count)]
+    split = ContentSplit()
+    return [split.draw(rng, rng.choice(names), rng.choice(difficulties), side) for _ in range(count)]
 
 
 def encode_example(tokenizer, case) -> tuple[list[int], list[int]]:
@@ -60,7 +66,8 @@ def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
     return ids, labels, mask
 
 
-def train(model, tokenizer, *, steps: int, batch_size: int, lr: float, seed: int, log_every: int = 50) -> None:
+def train(model, tokenizer, *, steps: int, batch_size: int, lr: float, seed: int, log_every: int = 50,
+          side: str = "train") -> None:
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
@@ -69,7 +76,7 @@ def train(model, tokenizer, *, steps: int, batch_size: int, lr: float, seed: int
     model.train()
     start = time.monotonic()
     for step in range(steps):
-        cases = sample_cases(rng, batch_size, (1,) * 9 + (2,))
+        cases = sample_cases(rng, batch_size, (1,) * 9 + (2,), side)
         ids, labels, mask = make_batch([encode_example(tokenizer, c) for c in cases], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -111,6 +118,10 @@ def main() -> None:
     parser.add_argument("--corpus-cases", type=int, default=20_000, help="cases the tokenizer is trained on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-only", action="store_true", help="only re-measure the model already in --out")
+    parser.add_argument("--split-side", default="train", choices=["train", "all"],
+                        help="SFT on train-side problems of the RL loop's content split only (default), or on any "
+                             "problem ('all': how models/starter-policy was built before issue 25; it had seen 42 of "
+                             "the 81 gcd level-2 eval problems and 8 of the 150 modulo ones)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more than 1 is much slower on a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -136,7 +147,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer: {len(tokenizer)} tokens; model: {params / 1e6:.2f}M parameters", flush=True)
 
-    train(model, tokenizer, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    train(model, tokenizer, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+          side=args.split_side)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

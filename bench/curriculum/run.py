@@ -11,6 +11,7 @@ Prefect (a yield ratio does not depend on the orchestrator). Arms, run in turn f
 
 - static:   env.difficulties [1] (the deployment's default);
 - adaptive: datagen.curriculum (band 0.2-0.8, every family starting at level 1);
+- reweight: levels held at 1 (band 0-1: no pass rate moves a level), families weighed as below;
 - adaptive+reweight: the same, with families weighed by their recent share of kept groups.
 
 Per arm: items tried, groups kept, the share of items that yield a kept group, and rollouts spent per kept group.
@@ -32,6 +33,8 @@ REF = "environments.intern_bootcamp:InternBootcampEnv"
 ARMS = {
     "static": None,
     "adaptive": {"enabled": True},
+    # levels held at 1 (a band no pass rate leaves), families reweighted: what reweighting alone buys
+    "reweight": {"enabled": True, "reweight": True, "low": 0.0, "high": 1.0},
     "adaptive+reweight": {"enabled": True, "reweight": True},
 }
 
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"starter policy missing: using a tiny random policy at {model}")
     totals: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
 
-    with start_local_server(model) as server:
+    with start_local_server(model, wait_s=600) as server:  # a loaded shared machine can take minutes
         def side(arm: str, curriculum: dict | None) -> Any:
             def run() -> dict[str, float]:
                 seed = len(totals[arm])  # round r draws the items of seed r, the same seed for every arm

@@ -3,6 +3,7 @@ temperature 1): how steep each family's ladder is for that policy. Rows go to be
 
     python -m bench.train.ladder --policy models/starter-policy --levels 1 2 3 --per_family 40
     python -m bench.train.ladder --policy /tmp/rl/s0/store/rl/train/checkpoints/step-00000100 --label after-s0
+    python -m bench.train.ladder --smoke                 # seconds; rows go to bench/out/smoke/rl_ladder.jsonl
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.harness import command_line, machine, print_table
+from bench.harness import SMOKE_DIR, command_line, machine, print_table
 from environments.bootcamp_tasks import FAMILIES
 from environments.bootcamp_tasks.split import ContentSplit, build_eval_set
 from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
@@ -30,7 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levels", type=int, nargs="*", default=[1, 2, 3])
     parser.add_argument("--per_family", type=int, default=40)
     parser.add_argument("--max_tokens", type=int, default=24)
+    parser.add_argument("--smoke", action="store_true", help="3 families, levels 1-2, 4 problems each")
     args = parser.parse_args(argv)
+    results = RESULTS
+    if args.smoke:
+        args.families, args.levels, args.per_family = ["modulo", "reverse", "sorting"], [1, 2], 4
+        results = SMOKE_DIR / RESULTS.name
+        results.parent.mkdir(parents=True, exist_ok=True)
     from factory.inference.engine import PolicyEngine
 
     split = ContentSplit()
@@ -48,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
                              "level": level, "temperature": temperature, "correct": correct, "n": n,
                              "pass_rate": round(correct / n, 4), "distinct_eval_problems": evalset.distinct[family],
                              "command": command_line(), "recorded": time.time(), **machine()})
-    with RESULTS.open("a") as f:
+    with results.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     by = {(r["family"], r["level"], r["temperature"]): r["pass_rate"] for r in rows}

@@ -29,7 +29,8 @@ def record(run_dir: Path, command: str, out: Path = RESULTS) -> list[dict]:
     common = {"bench": "rl_loop", "command": command, "seed": cfg["seed"], "families": cfg["families"],
               "difficulties": cfg["difficulties"], "budget_s": cfg["budget_s"], "total_steps": cfg["total_steps"],
               "lr": cfg["lr"], "steps": report["steps"], "train_wall_s": round(report["phases"].get("train_wall_s", 0), 1),
-              "busy_share": report.get("busy_share"), "policy_lag_mean": report.get("policy_lag_mean"),
+              "busy_share": report.get("busy_share"),
+              "busy_share_training": report.get("busy_share_training"), "policy_lag_mean": report.get("policy_lag_mean"),
               "policy_lag_max": report.get("policy_lag_max"), "overlap_planned": report["overlap_planned"],
               "overlap_trained": report["overlap_trained"], "recorded": time.time(), **machine()}
     rows = [{**common, "metric": "headline accuracy", **{k: v for k, v in row.items() if k != "families"},

@@ -63,10 +63,14 @@ class LinearEquation(TaskFamily):
 
 class Sorting(TaskFamily):
     name = "sorting"
-    description = "Sort small integers ascending; answer comma-separated."
+    description = ("Sort integers ascending; answer comma-separated. One knob per level: 3 then 4 digits, then 4 "
+                   "two-digit numbers, then 5 and 6 three-digit numbers.")
+    # (count, largest value) per level: each level changes one thing, so the next level is a step, not a cliff
+    # (level 2 used to add a number and two-digit values at once: 0.00 for a policy at 0.5 on level 1).
+    LADDER = {1: (3, 9), 2: (4, 9), 3: (4, 99), 4: (5, 999), 5: (6, 999)}
 
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
-        count, top = 2 + difficulty, 9 if difficulty == 1 else 10 ** min(difficulty, 3)
+        count, top = self.LADDER[difficulty]
         values = [rng.randint(0, top) for _ in range(count)]
         shown = ",".join(map(str, values))
         return f"Sort ascending: {shown}.", ",".join(map(str, sorted(values)))

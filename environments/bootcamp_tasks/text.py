@@ -8,6 +8,8 @@ from environments.bootcamp_tasks.base import TaskFamily, check_int
 
 # Short common words keep level-1 prompts within a tiny model's reach.
 SHORT_WORDS = ("cat", "dog", "sun", "map", "red", "box", "cup", "pen", "hat", "bus", "egg", "fox", "owl", "jam")
+# One letter longer than level 1: the step between 3-letter and 6-letter words that the ladders lacked.
+MID_WORDS = ("fish", "milk", "lamp", "moon", "frog", "ship", "door", "king", "wolf", "leaf", "rock", "star", "bird", "tree")
 WORDS = (
     "apple", "banana", "cherry", "garden", "pepper", "letter", "bottle", "rabbit", "summer", "coffee",
     "marble", "puzzle", "window", "yellow", "planet", "silver", "mirror", "butter", "kitten", "ladder",
@@ -17,6 +19,12 @@ LONG_WORDS = ("strawberry", "mississippi", "bookkeeper", "committee", "assessmen
 
 def _word(rng: random.Random, difficulty: int) -> str:
     pool = SHORT_WORDS if difficulty == 1 else WORDS if difficulty <= 3 else LONG_WORDS
+    return rng.choice(pool)
+
+
+def _ladder_word(rng: random.Random, difficulty: int) -> str:
+    """Word length grows one step a level (3, 4, 5-6, then long words) for the families whose rule is per letter."""
+    pool = {1: SHORT_WORDS, 2: MID_WORDS, 3: WORDS}.get(difficulty, LONG_WORDS)
     return rng.choice(pool)
 
 
@@ -35,11 +43,11 @@ class LetterCount(TaskFamily):
 
 class Reverse(TaskFamily):
     name = "reverse"
-    description = "Reverse a word (levels 1-3) or the order of words in a phrase (4-5)."
+    description = "Reverse a word of 3, 4 or 6 letters (levels 1-3) or the order of words in a phrase (4-5)."
 
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
         if difficulty <= 3:
-            word = _word(rng, difficulty)
+            word = _ladder_word(rng, difficulty)
             return f"Reverse '{word}'.", word[::-1]
         words = rng.sample(WORDS, difficulty - 1)
         return f"Reverse the word order: '{' '.join(words)}'.", " ".join(reversed(words))
@@ -50,17 +58,19 @@ class Reverse(TaskFamily):
 
 class StringTransform(TaskFamily):
     name = "string_transform"
-    description = "Upper-casing, dropping vowels, first letters, or a Caesar shift."
+    description = ("Upper-casing or dropping vowels (3-letter words, then 4-letter), then also first letters and "
+                   "a Caesar shift on longer words.")
 
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
-        word = _word(rng, difficulty)
-        op = rng.choice(["upper", "novowels"] if difficulty == 1 else ["upper", "novowels", "initials", "caesar"])
+        # Level 2 keeps level 1's two operations on one-letter-longer words; new operations come at level 3.
+        word = _ladder_word(rng, difficulty)
+        op = rng.choice(["upper", "novowels"] if difficulty <= 2 else ["upper", "novowels", "initials", "caesar"])
         if op == "upper":
             return f"Uppercase '{word}'.", word.upper()
         if op == "novowels":
             return f"Remove vowels from '{word}'.", "".join(c for c in word if c not in "aeiou")
         if op == "initials":
-            words = rng.sample(WORDS, 2 + difficulty)
+            words = rng.sample(WORDS, difficulty)
             return f"First letters of '{' '.join(words)}'?", "".join(w[0] for w in words)
         shift = rng.randint(1, 3)
         shifted = "".join(chr((ord(c) - 97 + shift) % 26 + 97) for c in word)

@@ -104,6 +104,8 @@ class PushSettings(FactoryConfig):
 
     endpoints: list[str] = Field(default_factory=list, description="SGLang-compatible roots; each gets /update_weights_from_disk.")
     timeout_s: float = Field(120.0, gt=0, description="Seconds one endpoint may take to load a checkpoint.")
+    background: bool = Field(False, description="Push on a background thread while the next steps train (at most one "
+                             "push in flight; the trainer waits only if the previous push has not finished).")
 
 
 class TrainJobConfig(FactoryConfig):

@@ -25,7 +25,7 @@ import torch
 
 from factory.train.config import TrainJobConfig
 from factory.train.metrics import MetricsLog, open_wandb, plot_reward_curve
-from factory.train.push import push_weights
+from factory.train.push import BackgroundPusher, push_weights
 from factory.train.sources import ApiBatchSource, NoMoreBatches, StoreBatchSource
 from factory.train.trainer import GRPOTrainer, checkpoint_dir, latest_checkpoint, prune_checkpoints
 
@@ -75,6 +75,7 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
         metrics.append(saved_row)  # killed after the checkpoint, before its step's row was logged
     if resumed_from is not None and cfg.push.endpoints:
         push_weights(cfg.push.endpoints, resumed_from, trainer.step, timeout_s=cfg.push.timeout_s)
+    pusher = BackgroundPusher(cfg.push.endpoints, timeout_s=cfg.push.timeout_s) if cfg.push.background else None
     source = make_source(cfg)
     source.start(trainer.step)
     started = time.monotonic()
@@ -100,7 +101,7 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
             row.update(wait_s=wait_s, batch=batch_fingerprint(groups), time=time.time())
             session_steps += 1
             if trainer.step % t.checkpoint_every == 0 or trainer.step == t.total_steps:
-                row.update(_checkpoint(cfg, trainer, row))
+                row.update(_checkpoint(cfg, trainer, row, pusher))
                 last_saved = checkpoint_dir(out, trainer.step)
             metrics.append(row)
             logger.info("step %d: reward %.3f, loss %.4f, clip %.3f, grad %.3f, wait %.2fs, compute %.2fs",
@@ -109,8 +110,10 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
             if on_step is not None:
                 on_step(row)
         if last_saved is None or Path(last_saved).name != checkpoint_dir(out, trainer.step).name:
-            _checkpoint(cfg, trainer)
+            _checkpoint(cfg, trainer, pusher=pusher)
             last_saved = checkpoint_dir(out, trainer.step)
+        if pusher is not None:
+            pusher.wait()  # the server serves the final checkpoint before this returns
     finally:
         source.close()
     curve = plot_reward_curve(metrics.rows(), out / "reward_curve.png")
@@ -119,14 +122,20 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
             "session_steps": session_steps, "seconds": round(time.monotonic() - started, 2)}
 
 
-def _checkpoint(cfg: TrainJobConfig, trainer: GRPOTrainer, row: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Save (with the step's metrics row, restored on resume if the process dies before logging it), prune, push."""
+def _checkpoint(cfg: TrainJobConfig, trainer: GRPOTrainer, row: dict[str, Any] | None = None,
+                pusher: BackgroundPusher | None = None) -> dict[str, Any]:
+    """Save (with the step's metrics row, restored on resume if the process dies before logging it), prune, push.
+
+    With a background pusher, `push_s` is the time the trainer waited for the previous push, not the push itself.
+    """
     began = time.perf_counter()
     path = trainer.save(checkpoint_dir(cfg.train.output_dir, trainer.step), extra={"metrics_row": dict(row)} if row else None)
     save_s = time.perf_counter() - began
+    push_s = pusher.wait() if pusher is not None else 0.0  # the checkpoint it loads must outlive the prune
     prune_checkpoints(cfg.train.output_dir, cfg.train.keep_checkpoints)
-    push_s = 0.0
-    if cfg.push.endpoints:
+    if cfg.push.endpoints and pusher is not None:
+        push_s += pusher.submit(path, trainer.step)
+    elif cfg.push.endpoints:
         push_s = push_weights(cfg.push.endpoints, path, trainer.step, timeout_s=cfg.push.timeout_s)
     return {"checkpoint": str(path), "save_s": save_s, "push_s": push_s}
 

@@ -62,8 +62,11 @@ def markdown(title: str, table: list[dict[str, Any]], plan_lines: list[str], pha
               *(f"| {k} | {v:.1f} |" for k, v in timing.items() if k.endswith("_s"))]
     share, lag_mean, lag_max = timing.get("busy_share"), timing.get("policy_lag_mean"), timing.get("policy_lag_max")
     if share is not None:
-        lines.append(f"\ninference server busy {share:.0%} of the training wall clock; weight loads "
+        lines.append(f"\ninference server busy {share:.0%} of the trainer process's wall clock (its start-up included); weight loads "
                      f"{timing.get('server_update_s', 0):.1f} s")
+    if timing.get("busy_share_training") is not None:
+        lines.append(f"inference server busy {timing['busy_share_training']:.0%} of the training window (first step "
+                     f"asked for to last step done, {timing.get('training_window_s', 0):.0f} s)")
     if lag_mean is not None:
         lines.append(f"policy lag of the trained batches: mean {lag_mean:.2f}, max {lag_max:.0f} steps")
     return "\n".join(lines) + "\n"
@@ -114,3 +117,22 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def training_window(metric_rows: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(wall-clock time the first step asked for its batch, time the last step finished) from metrics rows."""
+    rows = [r for r in metric_rows if r.get("time") is not None]
+    if not rows:
+        return None
+    first = rows[0]
+    return first["time"] - (first.get("wait_s") or 0.0) - (first.get("compute_s") or 0.0), rows[-1]["time"]
+
+
+def busy_share_in(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """Share of [start, end] the server spent generating, from (wall time, cumulative busy seconds) samples: the
+    first and last sample inside the window (None with fewer than two)."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    (t0, b0), (t1, b1) = inside[0], inside[-1]
+    return (b1 - b0) / (t1 - t0)

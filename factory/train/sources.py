@@ -56,7 +56,15 @@ class ApiBatchSource:
     def next_batch(self) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.max_wait_s
         while True:
-            response = self.http.get("/batch")
+            try:
+                response = self.http.get("/batch")
+            except httpx.TransportError as error:
+                # a kept-alive connection the API closed under load ("Server disconnected"): ask again
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("GET /batch failed (%s: %s); retrying", type(error).__name__, error)
+                time.sleep(self.poll_s)
+                continue
             response.raise_for_status()
             batch = orjson.loads(response.content)["batch"]
             if batch:
