@@ -35,10 +35,12 @@ fi
 # `.venv-uv/bin/uv lock` after editing dependencies). torch==2.13.0 is the CPU wheel on this machine's disk
 # (/opt/wheels, pip's find-links; pyproject.toml's [tool.uv.sources]): PyPI's is a multi-GB CUDA build.
 # The project itself is installed editable into .venv, so .venv runs this checkout's code, not another's.
+# --compile-bytecode: as pip does; otherwise the first import of each module in a fresh venv (CI: every run) compiles
+# it, and the tests that time a command's start-up see that.
 TORCH_WHEEL=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 if [ ! -f "$TORCH_WHEEL" ]; then
   echo "error: $TORCH_WHEEL (torch 2.13.0 CPU) is missing; put that wheel there, or change [tool.uv.sources] torch in pyproject.toml and run .venv-uv/bin/uv lock" >&2
   exit 1
 fi
-UV_PYTHON_DOWNLOADS=never "$UV" sync --quiet --locked --extra dev \
+UV_PYTHON_DOWNLOADS=never "$UV" sync --quiet --locked --extra dev --compile-bytecode \
   --python "$($PYTHON -c 'import sys; print(sys.executable)')"
