@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/use_venv.sh
 
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
@@ -16,7 +17,7 @@ RUN_ID=${QUICKSTART_RUN_ID:-intern-bootcamp}
 
 if [ ! -f "$POLICY/config.json" ]; then
   echo "== no starter policy at $POLICY: building it (a few minutes)"
-  python3 scripts/build_starter_policy.py --out "$POLICY"
+  python scripts/build_starter_policy.py --out "$POLICY"
 fi
 
 echo "== local Prefect stack"
@@ -31,7 +32,7 @@ if curl -fs "http://127.0.0.1:$POLICY_PORT/health" >/dev/null 2>&1; then
   factory-local down >/dev/null || true
   exit 1
 fi
-python3 -m factory.inference.local_server --model "$POLICY" --port "$POLICY_PORT" >.factory/policy-server.log 2>&1 &
+python -m factory.inference.local_server --model "$POLICY" --port "$POLICY_PORT" >.factory/policy-server.log 2>&1 &
 POLICY_PID=$!
 cleanup() {
   kill "$POLICY_PID" 2>/dev/null || true
@@ -46,14 +47,14 @@ for _ in $(seq 1 240); do
 done
 
 echo "== deploy and run intern-bootcamp-datagen ($ITEMS problems x 16 responses)"
-if ! python3 -m prefect --no-prompt deploy --name intern-bootcamp-datagen >.factory/deploy.log 2>&1; then
+if ! python -m prefect --no-prompt deploy --name intern-bootcamp-datagen >.factory/deploy.log 2>&1; then
   cat .factory/deploy.log
   echo "error: prefect deploy failed (output above, also in .factory/deploy.log)"
   exit 1
 fi
 PARAMS=$(printf '{"env": {"total_items": %d, "tokenizer_name": "%s"}, "openai": {"base_url": "http://127.0.0.1:%d"}, "datagen": {"store_root": "%s", "run_id": "%s"}}' \
   "$ITEMS" "$POLICY" "$POLICY_PORT" "$STORE" "$RUN_ID")
-if ! python3 -m prefect deployment run intern-bootcamp-datagen/intern-bootcamp-datagen --params "$PARAMS" \
+if ! python -m prefect deployment run intern-bootcamp-datagen/intern-bootcamp-datagen --params "$PARAMS" \
     >.factory/run.log 2>&1; then
   cat .factory/run.log
   echo "error: prefect deployment run failed (output above)"
@@ -62,10 +63,10 @@ fi
 FLOW_RUN_ID=$(grep -oE '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}' .factory/run.log | head -1)
 echo "flow run: ${PREFECT_API_URL%/api}/runs/flow-run/$FLOW_RUN_ID (progress and summary artifacts there)"
 # Progress lines (chunks, groups kept, rollouts/s, ETA) until the run ends; non-zero unless it Completed.
-python3 -m factory.progress watch "$FLOW_RUN_ID"
+python -m factory.progress watch "$FLOW_RUN_ID"
 
 echo "== done"
-python3 - "$STORE" "$RUN_ID" <<'PY'
+python - "$STORE" "$RUN_ID" <<'PY'
 import json, sys
 from pathlib import Path
 from factory.store import ShardStore

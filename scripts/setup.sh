@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install the factory and everything its tests need on a fresh Debian machine with Python >= 3.11.
+# Install the factory and everything its tests need on a fresh Debian machine with Python 3.11: Debian packages,
+# then the project's own virtualenv ./.venv (per checkout, gitignored) from the lockfile uv.lock with uv.
 # Idempotent: a second run only checks. Set FACTORY_SKIP_APT=1 to skip Debian packages.
+# Use the venv: `source .venv/bin/activate`, or scripts/*.sh, which put .venv/bin first on PATH themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +22,25 @@ if [ "${FACTORY_SKIP_APT:-0}" != "1" ] && command -v apt-get >/dev/null; then
   fi
 fi
 
-# torch first and pinned: an unpinned torch pulls gigabytes of CUDA packages.
-$PYTHON -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PYTHON -m pip install -q --disable-pip-version-check -e ".[dev]"
+# uv itself, pinned, in a small virtualenv of its own (nothing goes into the system interpreter).
+UV_VERSION=0.13.9
+UV=.venv-uv/bin/uv
+if [ "$("$UV" --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+  rm -rf .venv-uv
+  $PYTHON -m venv .venv-uv
+  .venv-uv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+fi
+
+# The project's venv, exactly as locked (--locked: refuse a uv.lock that pyproject.toml no longer matches; run
+# `.venv-uv/bin/uv lock` after editing dependencies). torch==2.13.0 is the CPU wheel on this machine's disk
+# (/opt/wheels, pip's find-links; pyproject.toml's [tool.uv.sources]): PyPI's is a multi-GB CUDA build.
+# The project itself is installed editable into .venv, so .venv runs this checkout's code, not another's.
+# --compile-bytecode: as pip does; otherwise the first import of each module in a fresh venv (CI: every run) compiles
+# it, and the tests that time a command's start-up see that.
+TORCH_WHEEL=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+if [ ! -f "$TORCH_WHEEL" ]; then
+  echo "error: $TORCH_WHEEL (torch 2.13.0 CPU) is missing; put that wheel there, or change [tool.uv.sources] torch in pyproject.toml and run .venv-uv/bin/uv lock" >&2
+  exit 1
+fi
+UV_PYTHON_DOWNLOADS=never "$UV" sync --quiet --locked --extra dev --compile-bytecode \
+  --python "$($PYTHON -c 'import sys; print(sys.executable)')"

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/use_venv.sh
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
@@ -12,7 +13,7 @@ export FACTORY_TEST_SESSION="test-sh-$$-$(date +%s%N)"
 run_pytest() {
   # pytest exits 5 when a selection holds no tests; that is not a failure here.
   set +e
-  python3 -m pytest "$@"
+  python -m pytest "$@"
   local code=$?
   set -e
   if [ $code -ne 0 ] && [ $code -ne 5 ]; then exit $code; fi
@@ -23,4 +24,4 @@ run_pytest -q -m "not integration and not slurm and not gpu and not browser" --t
 echo "== integration tests (real servers)"
 run_pytest -q -m "integration and not gpu" --timeout 900 tests
 echo "== processes left running by the tests (none expected)"
-python3 -m tests.process_leaks "$FACTORY_TEST_SESSION"
+python -m tests.process_leaks "$FACTORY_TEST_SESSION"

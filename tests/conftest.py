@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Inherited by every process the tests start: pytest_sessionfinish fails the run if one outlives the tests.
 os.environ.setdefault("FACTORY_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
+# Run from a venv (scripts/setup.sh's ./.venv) without activating it, `.venv/bin/python -m pytest`: what the tests
+# start by name (`python` in SLURM job scripts, console scripts such as run-api) must be the venv's all the same.
+if sys.prefix != sys.base_prefix and os.environ.get("PATH", "").split(os.pathsep)[0] != os.path.dirname(sys.executable):
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
