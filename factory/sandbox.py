@@ -279,6 +279,10 @@ def _run(config: dict[str, Any], root: Path, stdin: str, limits: SandboxLimits, 
         isolation["memory_peak_mb"] = group.peak_mb()
     if not reason and returncode != 0:
         reason = _why(returncode, stderr, limits, root, group)
+    elif not reason and group is not None and group.oom_kills():
+        # The submission went over its memory cap and the kernel killed one of its processes, not necessarily
+        # the first one: the run is over its limit even if what survived exited 0.
+        reason = "memory"
     return SandboxResult(returncode, stdout, stderr, seconds, reason, isolation)
 
 

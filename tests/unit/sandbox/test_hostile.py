@@ -250,3 +250,14 @@ def test_the_escape_markers_fire_without_the_sandbox(name, host, tmp_path):
     done = subprocess.run([sys.executable, "-c", program(name, host)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=30, check=False)
     assert "ESCAPED" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_a_process_killed_for_memory_fails_the_run_even_when_the_rest_exits_0(host):
+    """The kernel's OOM killer may pick any process of the submission; the run is over its cap all the same."""
+    if not cgroup_support()[0]:
+        pytest.skip(f"no cgroup on this host ({cgroup_support()[1]}): the cap is per process here")
+    code = ("import os, time\npids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = b'x' * (CHILD_MB << 20)\n        time.sleep(0.5)\n        os._exit(0)\n    pids.append(pid)\n"
+            "for pid in pids:\n    os.waitpid(pid, 0)\nprint('parent exits 0')").replace("CHILD_MB", str(LIMITS.memory_mb // 2))
+    result = run_python(code, limits=LIMITS)
+    assert result.reason == "memory" and not result.ok, (result.returncode, result.reason, result.stdout)
