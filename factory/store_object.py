@@ -54,8 +54,12 @@ def open_store(root: str | os.PathLike[str]) -> ShardStore | ObjectShardStore:
 def _has_credentials() -> bool:
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         return True
-    if os.environ.get("AWS_PROFILE") or os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
-        return True
+    # Profiles, web identity (Kubernetes) and container roles; an EC2 instance role is not detected here: set
+    # AWS_PROFILE or use `?anonymous=true` only where that is really meant.
+    for var in ("AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        if os.environ.get(var):
+            return True
     files = [os.environ.get("AWS_SHARED_CREDENTIALS_FILE", os.path.expanduser("~/.aws/credentials"))]
     return any(os.path.isfile(path) for path in files)
 
@@ -71,7 +75,7 @@ class ObjectShardStore:
         parts = urlsplit(url)
         if parts.scheme not in OBJECT_SCHEMES or not parts.netloc:
             raise StoreError(f"store URL {url!r} is not s3://bucket/prefix; give a bucket (and optional prefix)")
-        if not _has_credentials():
+        if "anonymous=true" not in parts.query and not _has_credentials():
             raise StoreError(
                 f"no credentials for store {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
             )
