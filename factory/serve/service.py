@@ -271,9 +271,14 @@ class BatchService:
                 logger.exception("scan of followed runs failed; retrying in %.1f s", self.config.follow_interval_s)
 
     def _add_shards(self, shards: list[NewShard]) -> None:
+        new: list[NewShard] = []
+        ids_of: list[list[str]] = []
+        seen: set[tuple[str, str]] = set()
         for shard in shards:
-            if (shard.run_id, shard.shard) in self._known:
+            key = (shard.run_id, shard.shard)
+            if key in self._known or key in seen:
                 continue
+            seen.add(key)
             ids: list[str] = []
             if shard.run_id == self.config.ingest_run:
                 # Committed while the state DB could not note it, or by a service that died before it could.
@@ -281,19 +286,23 @@ class BatchService:
 
                 ids = pq.read_table(shard.path, columns=["group_id"]).column(0).to_pylist()
                 self._stored_ids.update(ids)
-            try:
-                source = self.state.add_source(shard.run_id, shard.shard, shard.rows, ids)
-            except sqlite3.Error as error:
-                logger.error("cannot index shard %s in the served state %s (%s); retrying at the next scan", shard.path, self.state.path, error)
-                continue
+            new.append(shard)
+            ids_of.append(ids)
+        if not new:
+            return
+        try:  # one transaction for the whole scan: all of it is indexed, or none and the next scan retries it
+            sources = self.state.add_sources([(s.run_id, s.shard, s.rows, ids) for s, ids in zip(new, ids_of)])
+        except sqlite3.Error as error:
+            logger.error("cannot index %d shards in the served state %s (%s); retrying at the next scan", len(new), self.state.path, error)
+            return
+        for shard, ids, source in zip(new, ids_of, sources):
             self._stored_ids.difference_update(ids)
             self.sources[source] = shard.path
             if shard.row_offset:
                 self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
             self._enqueue(source, shard.index)
-        if shards:
-            self._kick_prefetch()
+        self._kick_prefetch()
 
     def _enqueue(self, source: int, index: Any, skip: set[int] | frozenset[int] = frozenset()) -> None:
         columns = index.to_pydict()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,25 @@ class ServedState:
     def close(self) -> None:
         self.db.close()
 
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One explicit transaction. The connection is in autocommit mode (`isolation_level=None`), where
+        `with self.db:` opens none and every statement (every row of an executemany) would commit on its own."""
+        self.db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
     # ---- key/value ----
     def get(self, key: str, default: Any = None) -> Any:
         row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
 
     def put(self, **values: Any) -> None:
-        with self.db:
+        with self._transaction():
             self.db.executemany(
                 "INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                 [(key, json.dumps(value)) for key, value in values.items()],
@@ -69,7 +82,7 @@ class ServedState:
         return [json.loads(info) for (info,) in self.db.execute("SELECT info FROM envs ORDER BY env_id")]
 
     def put_env(self, env: dict[str, Any]) -> None:
-        with self.db:
+        with self._transaction():
             self.db.execute(
                 "INSERT INTO envs (env_id, info) VALUES (?, ?) ON CONFLICT (env_id) DO UPDATE SET info = excluded.info",
                 (env["registered_id"], json.dumps(env)),
@@ -85,11 +98,35 @@ class ServedState:
 
         Idempotent: a shard indexed before (by a transaction whose success was not reported) keeps its id.
         """
-        with self.db:
+        with self._transaction():
             self.db.executemany("INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for g in group_ids])
             self.db.execute("INSERT OR IGNORE INTO sources (run_id, shard, rows) VALUES (?, ?, ?)", (run_id, shard, rows))
             (source,) = self.db.execute("SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()
         return int(source)
+
+    def add_sources(self, shards: Sequence[tuple[str, str, int, Iterable[str]]]) -> list[int]:
+        """Index many committed shards, each (run_id, shard, rows, group_ids), in ONE transaction; their source ids in order.
+
+        All or nothing: a failed transaction indexes none of them, and the next scan retries them all. Idempotent
+        like `add_source` (a shard indexed before keeps its id), and source ids follow the order given, so
+        arrival order is the scan's order. One transaction per scan keeps a fresh start over many shards from
+        paying one WAL commit per shard.
+        """
+        if not shards:
+            return []
+        with self._transaction():
+            self.db.executemany(
+                "INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for _, _, _, ids in shards for g in ids]
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO sources (run_id, shard, rows) VALUES (?, ?, ?)",
+                [(run_id, shard, rows) for run_id, shard, rows, _ in shards],
+            )
+            sources = [
+                int(self.db.execute("SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()[0])
+                for run_id, shard, _, _ in shards
+            ]
+        return sources
 
     # ---- posted group ids (a client retrying after a crash must not add a group twice) ----
     def known_group_ids(self, group_ids: list[str]) -> set[str]:
@@ -101,7 +138,7 @@ class ServedState:
         return known
 
     def add_group_ids(self, group_ids: Iterable[str]) -> None:
-        with self.db:
+        with self._transaction():
             self.db.executemany("INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for g in group_ids])
 
     # ---- taken groups ----
@@ -113,7 +150,7 @@ class ServedState:
     def record_taken(self, keys: Iterable[tuple[int, int]], step: int, *, kv: dict[str, Any] | None = None) -> None:
         """Mark groups (source, row) as taken at `step` (>= 0 served, < 0 skipped), with kv updates, atomically."""
         epoch = self.epoch
-        with self.db:
+        with self._transaction():
             self.db.executemany(
                 "INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, ?)",
                 [(source, row, step, pos, epoch) for pos, (source, row) in enumerate(keys)],
@@ -153,7 +190,7 @@ class ServedState:
     def reset(self) -> None:
         """Forget registration, envs and step (what /reset_data clears) and start a new epoch; taken groups stay taken."""
         epoch = self.epoch + 1
-        with self.db:
+        with self._transaction():
             self.db.execute("DELETE FROM envs")
             self.db.execute("DELETE FROM kv")
             self.db.execute("INSERT INTO kv (key, value) VALUES ('epoch', ?)", (json.dumps(epoch),))

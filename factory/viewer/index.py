@@ -384,7 +384,7 @@ class RunIndex:
             offsets[number] = base
             base += parquet.metadata.row_group(number).num_rows
         local = [offsets[g] + row - starts[g] for g, row in zip(groups_of_rows, rows)]
-        return table.take(pa.array(local, type=pa.int64()))
+        return table.take(_int64_indices(local))
 
     def read_rows(self, rows: pl.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
         """Payload columns of the given index rows (shard, row) as dicts, in order, shard by shard."""
@@ -397,6 +397,12 @@ class RunIndex:
             for (position, _), values in zip(items, picked):
                 out[position] = values
         return out
+
+
+def _int64_indices(values: list[int]) -> pa.Array:
+    """`pa.array(values)` without it: converting Python or numpy values makes pyarrow import pandas (~0.5 s, on the
+    viewer's first page), building from a buffer does not."""
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(np.asarray(values, dtype=np.int64))])
 
 
 def _row_group_of(starts: list[int], row: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench.shards import scale
 
@@ -15,3 +16,11 @@ def test_scale_bench_smoke(tmp_path, capsys):
     for row in rows:
         assert row["export_groups"] >= 3000 and row["viewer_rows"] == 50 and row["follow_latency_s"] < 5
     assert "| 300 | after |" in capsys.readouterr().out
+
+
+def test_startup_ab_smoke(tmp_path, capsys, monkeypatch):
+    from bench.shards.startup_ab import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
+    main(["--smoke", "--dir", str(tmp_path)])
+    assert "median start-up A" in capsys.readouterr().out

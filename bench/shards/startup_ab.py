@@ -1,0 +1,84 @@
+"""run-api fresh start-up on one compacted store, two code trees interleaved (A, B, A, B ...): issue 34's
+one-transaction-per-scan change measured as a ratio on a noisy machine.
+
+    python -m bench.shards.startup_ab --shards 3000 --a /tmp/old-tree --b . --rounds 3
+    python -m bench.shards.startup_ab --smoke          # 200 shards, this tree against itself, 1 round
+
+The store is built and compacted once with this tree's bench.shards.scale; every start-up runs in a fresh
+process with PYTHONPATH set to the tree under test and an empty served state (every shard gets indexed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_STARTUP = """
+import asyncio, json, sys, time
+from factory.serve.config import ServeConfig
+from factory.serve.service import BatchService
+
+async def main():
+    begin = time.perf_counter()
+    service = BatchService(ServeConfig(store_root=sys.argv[1], follow_runs=["gen"], follow_interval_s=3600,
+                                       state_path=sys.argv[2], batch_metadata=False))
+    await service.start()
+    took = time.perf_counter() - begin
+    queued = service.queue.groups
+    await service.stop()
+    print(json.dumps({"startup_s": took, "queued": queued}))
+
+asyncio.run(main())
+"""
+
+
+def startup(tree: str, root: Path, state: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _STARTUP, str(root), str(state)], env=env, check=True,
+                         capture_output=True, text=True, cwd=tree).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=int, default=3000)
+    parser.add_argument("--a", default=".", help="code tree A (e.g. an export of the commit before)")
+    parser.add_argument("--b", default=".", help="code tree B")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-compact", action="store_true")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shards, args.rounds = 200, 1
+    from bench.shards.scale import build_store, compact
+
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="startup-ab-"))
+    root = scratch / f"store-{args.shards}"
+    if not root.exists():
+        built = build_store(root, args.shards)
+        print(f"# built {args.shards} shards in {built['seconds']:.0f} s", flush=True)
+        if not args.no_compact:
+            print(f"# compacted: {compact(str(root), 128)}", flush=True)
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for round_ in range(args.rounds):
+        for label, tree in (("A", args.a), ("B", args.b)):
+            state = scratch / f"state-{label}-{round_}.db"
+            result = startup(tree, root, state)
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{state}{suffix}").unlink(missing_ok=True)
+            times[label].append(result["startup_s"])
+            print(f"round {round_} {label}: start-up {result['startup_s']:.2f} s, {result['queued']} groups queued", flush=True)
+    a, b = statistics.median(times["A"]), statistics.median(times["B"])
+    print(f"median start-up A {a:.2f} s, B {b:.2f} s, A/B {a / b:.2f}x; pairs A/B: "
+          + ", ".join(f"{x / y:.2f}" for x, y in zip(times["A"], times["B"])))
+
+
+if __name__ == "__main__":
+    main()
