@@ -64,14 +64,18 @@ def _dump_json(name: str, value: Any) -> str | None:
 
 
 def _int_2d(groups_of_sequences: list[list[list[int]]]) -> pa.Array:
-    """Build list<list<int32>> from flat buffers: ~10x faster than pyarrow's nested conversion."""
+    """Build list<list<int32>> from flat buffers + offsets: ~10x faster than pyarrow's nested conversion,
+    and filling one int32 buffer with `np.fromiter` is ~1.7x faster than `pa.array` on a flat Python list."""
     sequences = [sequence for group in groups_of_sequences for sequence in group]
-    values = pa.array(list(itertools.chain.from_iterable(sequences)), type=pa.int32())
     inner = np.zeros(len(sequences) + 1, dtype=np.int32)
-    np.cumsum([len(sequence) for sequence in sequences], out=inner[1:])
+    np.cumsum(np.fromiter(map(len, sequences), dtype=np.int32, count=len(sequences)), out=inner[1:])
+    try:
+        values = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int32, count=int(inner[-1]))
+    except OverflowError as error:  # same outcome as pa.array(type=int32) on a value out of range
+        raise pa.ArrowInvalid(f"token or mask value out of int32 range: {error}") from None
     outer = np.zeros(len(groups_of_sequences) + 1, dtype=np.int32)
-    np.cumsum([len(group) for group in groups_of_sequences], out=outer[1:])
-    return pa.ListArray.from_arrays(pa.array(outer), pa.ListArray.from_arrays(pa.array(inner), values))
+    np.cumsum(np.fromiter(map(len, groups_of_sequences), dtype=np.int32, count=len(groups_of_sequences)), out=outer[1:])
+    return pa.ListArray.from_arrays(pa.array(outer), pa.ListArray.from_arrays(pa.array(inner), pa.array(values)))
 
 
 _FAST_COLUMNS = {"tokens": _int_2d, "masks": _int_2d}
