@@ -89,3 +89,17 @@ def _sample():
 
     return [ScoredGroup(tokens=[[1, 2], [3]], masks=[[-100, 2], [3]], scores=[0.5, 1.0], env="e", item_key="k",
                         run_id="r", policy_version=1, messages=[[{"role": "user", "content": "é"}], []])]
+
+
+def test_timestamps_in_other_zones_and_naive_equal_pyarrows_reading():
+    from datetime import datetime, timedelta, timezone
+
+    from factory.schema import _column
+
+    field = GROUP_SCHEMA.field("created_at")
+    for values in (
+        [datetime(2026, 11, 25, 10, 0, 0, 123456, tzinfo=timezone(timedelta(hours=5, minutes=30))),
+         datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)],
+        [datetime(2026, 11, 25, 10, 0, 0, 1)],
+    ):
+        assert _column(field, values).equals(pa.array(values, type=field.type))
