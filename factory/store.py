@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -346,6 +347,34 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+class _HashingFile(io.RawIOBase):
+    """A write-only file that hashes the bytes it passes on (the shard's sha256 without reading it back)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.digest, self.size = raw, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):  # a short write must not leave hashed bytes unwritten
+            written += self.raw.write(view[written:])
+        self.digest.update(view)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:  # the caller owns `raw`: it fsyncs and closes it
+        super().close()
+
+
 _VERIFIED: dict[tuple[str, int, int, int], str] = {}
 
 
@@ -446,9 +475,7 @@ class ShardStore:
         logged = False
         try:
             try:
-                rows = self._write_parquet(tmp, groups, row_group_groups)
-                size = tmp.stat().st_size
-                checksum = _sha256(tmp)
+                rows, size, checksum = self._write_parquet(tmp, groups, row_group_groups)
                 fsync_dir(shards)  # the temporary's name is durable before a record points at it
             except OSError as error:
                 raise _write_failure("writing shard", tmp, error) from error
@@ -585,10 +612,18 @@ class ShardStore:
             self._logs.pop(run_id, None)
 
     @staticmethod
-    def _write_parquet(path: Path, groups: Iterable[ScoredGroup | dict[str, Any]], row_group_groups: int) -> int:
+    def _write_parquet(
+        path: Path, groups: Iterable[ScoredGroup | dict[str, Any]], row_group_groups: int
+    ) -> tuple[int, int, str]:
+        """Write and fsync the shard file; returns (rows, bytes, sha256 of the bytes written).
+
+        The checksum is taken from the bytes as they go to the file, not by reading the file back: the
+        commit record still names exactly what was written and fsynced, without a second pass over it.
+        """
         rows = 0
         pending: list[ScoredGroup] = []
-        with open(path, "wb") as handle:
+        with open(path, "wb") as raw:
+            handle = _HashingFile(raw)
             writer = pq.ParquetWriter(handle, GROUP_SCHEMA, write_page_checksum=True, **PARQUET_OPTIONS)
             try:
                 if isinstance(groups, (pa.RecordBatch, pa.Table)):
@@ -613,9 +648,9 @@ class ShardStore:
                     rows += len(pending)
             finally:
                 writer.close()
-            handle.flush()
-            os.fsync(handle.fileno())
-        return rows
+            raw.flush()
+            os.fsync(raw.fileno())
+        return rows, handle.size, handle.digest.hexdigest()
 
     def write_run_file(self, run_id: str, name: str, text: str) -> Path:
         """Atomically write a small file next to a run's shards (resolved config, stats)."""
