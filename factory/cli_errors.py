@@ -43,6 +43,7 @@ USER_ERROR_TYPES = {
     "factory.export.writer.OutputExistsError": 1,
     "factory.export.render.RenderError": 1,
     "factory.inference.health.EndpointsDown": 1,
+    "factory.train.rl_plan.LoopInputError": 2,
 }
 
 
