@@ -1,0 +1,38 @@
+"""A flow run that fails on a user error: Failed, and its log says why in one line, without Prefect's tracebacks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+
+def test_a_user_error_fails_the_run_with_one_log_line(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from factory.train.rl_plan import LoopInputError
+    from flows.rl_loop import rl_loop
+
+    state = rl_loop(loop={"policy": str(tmp_path / "no-policy"), "out_dir": str(tmp_path / "out")},
+                    return_state=True)
+    assert state.is_failed()
+    with pytest.raises(LoopInputError):
+        state.result()
+
+    async def messages() -> list[str]:
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+                any_=[state.state_details.flow_run_id])))
+            return [log.message for log in logs]
+
+    deadline = time.monotonic() + 15  # logs reach the API in batches
+    lines = asyncio.run(messages())
+    while not any(line.startswith("Finished in state") for line in lines):
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+        lines = asyncio.run(messages())
+    failed = [line for line in lines if line.startswith("flow run failed: ")]
+    assert len(failed) == 1 and "starter policy missing" in failed[0], lines
+    assert not any("Traceback" in line for line in lines), lines
