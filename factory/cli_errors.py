@@ -153,6 +153,8 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     args = [arg for arg in args if arg != DEBUG_FLAG]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # flow runs of this command keep Prefect's tracebacks too
     try:
         code = main(args)
     except KeyboardInterrupt:
@@ -195,7 +197,7 @@ class OneLineUserErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if error is None:
+        if error is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):  # --debug: Prefect's tracebacks too
             return True
         known = classify(error)
         if known is None:
@@ -211,9 +213,7 @@ class OneLineUserErrors(logging.Filter):
 
 
 def quiet_user_errors_in_flow_runs() -> None:
-    """Install OneLineUserErrors on Prefect's flow-run loggers (once; not with FACTORY_DEBUG=1)."""
-    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
-        return
+    """Install OneLineUserErrors on Prefect's flow-run loggers (once; it lets everything through under --debug)."""
     for name in FLOW_RUN_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, OneLineUserErrors) for f in logger.filters):

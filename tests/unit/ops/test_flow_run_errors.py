@@ -52,3 +52,9 @@ def test_importing_the_flows_installs_it_on_prefects_flow_run_loggers():
 
     for name in ("prefect.flow_runs", "prefect.engine"):
         assert sum(isinstance(f, OneLineUserErrors) for f in logging.getLogger(name).filters) == 1
+
+
+def test_debug_keeps_prefects_tracebacks(monkeypatch):
+    monkeypatch.setenv("FACTORY_DEBUG", "1")
+    records = _logged(ConfigError("unknown config key 'x'"))
+    assert len(records) == 2 and all(r.exc_info is not None for r in records)
