@@ -45,6 +45,7 @@ USER_ERROR_TYPES = {
     "factory.export.render.RenderError": 1,
     "factory.inference.health.EndpointsDown": 1,
     "factory.train.rl_plan.LoopInputError": 2,
+    "factory.train.launch.LaunchError": 1,
 }
 
 

@@ -313,3 +313,13 @@ def preflight_atropos_env(config: Any, *, local: bool = True, timeout: float = 5
     if config.inference_url and urlsplit(config.inference_url).netloc != NODE_LOCAL_HOST:
         check_reachable("env.inference_url", config.inference_url, timeout=timeout,
                         fix="start the policy server or SGLang, or fix the URL")
+
+
+def check_slurm_client(setting: str, value: Any) -> None:
+    """sbatch and sinfo are on PATH: the flow runs on a SLURM head node."""
+    import shutil
+
+    missing = [tool for tool in ("sbatch", "sinfo") if shutil.which(tool) is None]
+    if missing:
+        raise PreflightError(setting, value, f"{' and '.join(missing)} not on PATH: run this flow on a SLURM head node "
+                             "(a work pool whose worker has the SLURM client), or use a local launcher")

@@ -147,3 +147,21 @@ def test_atropos_env_flow_runs_the_preflight_before_the_env_process():
 
     source = inspect.getsource(flows.atropos_env.atropos_env_flow.fn)
     assert source.index("preflight_atropos_env(") < source.index("ensure_trainer(")
+
+
+def test_a_slurm_launcher_without_the_slurm_client_is_one_line(monkeypatch):
+    import shutil
+
+    from factory.preflight import PreflightError, check_slurm_client
+
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(PreflightError, match="sbatch and sinfo not on PATH") as error:
+        check_slurm_client("launcher_block", "factory-slurm-torchrun/gpu-nodes")
+    assert classify(error.value)[0] == 1 and "\n" not in str(error.value)
+
+
+def test_a_refused_slurm_launch_is_a_user_error():
+    from factory.train.launch import LaunchError
+
+    assert classify(LaunchError("SLURM partition 'gpu' does not exist; known partitions: debug")) == (
+        1, "SLURM partition 'gpu' does not exist; known partitions: debug")
