@@ -36,3 +36,16 @@ def test_a_user_error_fails_the_run_with_one_log_line(prefect_server, tmp_path):
     failed = [line for line in lines if line.startswith("flow run failed: ")]
     assert len(failed) == 1 and "starter policy missing" in failed[0], lines
     assert not any("Traceback" in line for line in lines), lines
+
+
+def test_compact_on_an_empty_store_warns_and_a_missing_run_fails_with_one_line(prefect_server, tmp_path):
+    from factory.store import StoreError
+    from flows.compact import compact
+
+    started = time.monotonic()
+    assert compact(str(tmp_path / "store")) == []
+    state = compact(str(tmp_path / "store"), runs=["no-such-run"], return_state=True)
+    assert state.is_failed()
+    with pytest.raises(StoreError, match=r"run\(s\) \['no-such-run'\] have no commit log"):
+        state.result()
+    assert time.monotonic() - started < 20
