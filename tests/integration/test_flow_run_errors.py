@@ -49,3 +49,32 @@ def test_compact_on_an_empty_store_warns_and_a_missing_run_fails_with_one_line(p
     with pytest.raises(StoreError, match=r"run\(s\) \['no-such-run'\] have no commit log"):
         state.result()
     assert time.monotonic() - started < 20
+
+
+def test_the_flow_run_process_a_worker_starts_prints_one_line_not_a_traceback(prefect_server, tmp_path):
+    """What a process worker runs for a deployment run (`python -m prefect.engine`), on a user error. The flow is
+    loaded by module path, as prefect.yaml's entrypoints are (importing `flows` installs the one-line filter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.rl_loop import rl_loop
+
+    repo = Path(__file__).resolve().parents[2]
+    deployment_id = rl_loop.to_deployment(name="one-line-check", entrypoint_type=EntrypointType.MODULE_PATH).apply()
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run_from_deployment(
+            deployment_id, parameters={"loop": {"policy": str(tmp_path / "no-policy")}})
+    env = {**os.environ, **prefect_server, "PREFECT__FLOW_RUN_ID": str(run.id), "PYTHONPATH": str(repo),
+           "FACTORY_DEBUG": ""}
+    done = subprocess.run([sys.executable, "-m", "prefect.engine"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert "flow run failed: starter policy missing" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run.id).state.is_failed()
