@@ -309,7 +309,7 @@ def loop_config(loop: dict[str, Any] | None, config_path: str | None) -> RLLoopC
     """The flow's preflight: the run's `loop` keys merged into its deployment's, over the YAML, validated and
     checked (starter policy, budget, families), so a wrong input fails in seconds with one line."""
     loop = deployment_sections(loop=loop).get("loop", {})  # a run's keys merge into the deployment's
-    path = None if config_path is None else (Path(config_path) if Path(config_path).is_absolute() else ROOT / config_path)
+    path = None if config_path is None else Path(config_path) if Path(config_path).is_absolute() else ROOT / config_path
     cfg = build_config(RLLoopConfig, yaml_path=path, values=loop)
     check_inputs(cfg, ROOT)
     return cfg

@@ -22,7 +22,8 @@ def _logged(*errors: BaseException) -> list[logging.LogRecord]:
     logger.addFilter(one_line)
     try:
         for error in errors:
-            for message in ("Encountered exception during execution: %r", "Engine execution exited with unexpected exception"):
+            for message in ("Encountered exception during execution: %r",
+                            "Engine execution exited with unexpected exception"):
                 try:
                     raise error
                 except BaseException:

@@ -70,7 +70,8 @@ def test_target_reached_marks_the_progress_artifact_100_percent(monkeypatch):
 
     updates = []
     monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
-                        lambda artifact_id, progress, description=None: updates.append((artifact_id, progress, description)))
+                        lambda artifact_id, progress, description=None:
+                        updates.append((artifact_id, progress, description)))
     ops = RunOps.__new__(RunOps)
     ops.logger, ops.target_groups, ops._progress_artifact, ops.progress = _Lines(), 10, "artifact-1", None
     ops.track("bootcamp", total_chunks=5, done_before=0)
