@@ -16,6 +16,7 @@ error types and need not import this one; `UserError` is for code that has no er
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import sys
@@ -43,6 +44,8 @@ USER_ERROR_TYPES = {
     "factory.export.writer.OutputExistsError": 1,
     "factory.export.render.RenderError": 1,
     "factory.inference.health.EndpointsDown": 1,
+    "factory.train.rl_plan.LoopInputError": 2,
+    "factory.train.launch.LaunchError": 1,
 }
 
 
@@ -151,6 +154,8 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     args = [arg for arg in args if arg != DEBUG_FLAG]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # flow runs of this command keep Prefect's tracebacks too
     try:
         code = main(args)
     except KeyboardInterrupt:
@@ -175,3 +180,42 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
         print(f"{prog}: error: {message}{hint}", file=sys.stderr, flush=True)
         return code
     return int(code or 0)
+
+
+FLOW_RUN_LOGGERS = ("prefect.flow_runs", "prefect.engine")
+"""Where Prefect's engine logs a flow run's exception with its traceback (in the run's log and the worker's)."""
+
+
+class OneLineUserErrors(logging.Filter):
+    """Prefect logs a failed flow run's exception with its traceback, twice ('Encountered exception during
+    execution', then 'Engine execution exited with unexpected exception'). For a user error (and for the
+    FailedRun Prefect raises when a flow returned a Failed state with its own message) this keeps one line,
+    `flow run failed: <message>`, without the traceback, and drops the repeat; bugs keep their tracebacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: BaseException | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):  # --debug: Prefect's tracebacks too
+            return True
+        known = classify(error)
+        if known is None:
+            if type(error).__name__ != "FailedRun" or type(error).__module__ != "prefect.exceptions":
+                return True
+            known = (1, str(error).strip() or "the flow returned a Failed state")
+        if error is self._said:
+            return False
+        self._said = error
+        record.msg, record.args, record.exc_info, record.exc_text = f"flow run failed: {known[1]}", (), None, None
+        record.levelno, record.levelname = logging.ERROR, "ERROR"
+        return True
+
+
+def quiet_user_errors_in_flow_runs() -> None:
+    """Install OneLineUserErrors on Prefect's flow-run loggers (once; it lets everything through under --debug)."""
+    for name in FLOW_RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OneLineUserErrors) for f in logger.filters):
+            logger.addFilter(OneLineUserErrors())

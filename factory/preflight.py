@@ -260,3 +260,66 @@ def preflight(cfg: Any, *, mode: str = "process", wait_s: float = 0.0, timeout: 
     _with_wait(lambda: check_judge(env, timeout=timeout), wait_s)
     if mode == "serve" and cfg.serve.api_url:
         _with_wait(lambda: check_api("serve.api_url", cfg.serve.api_url, timeout=timeout), wait_s)
+
+
+def check_reachable(setting: str, url: str, *, fix: str, timeout: float = 5.0) -> None:
+    """Something answers HTTP at `url`'s root (any status): the server is up, whatever its routes."""
+    from factory.inference.endpoints import endpoint_root
+
+    root = endpoint_root(url)
+    try:
+        httpx.get(f"{root}/health", timeout=timeout)
+    except httpx.HTTPError as error:
+        raise PreflightError(setting, url, f"not reachable ({type(error).__name__}); {fix}") from None
+
+
+def preflight_trainer(cfg: Any, *, timeout: float = 5.0) -> None:
+    """Check a TrainJobConfig before any work: the policy directory, the batch source and the push endpoints, so
+    a trainer started without run-api or the policy server fails in seconds instead of waiting `max_wait_s`."""
+    check_model_ref("train.model_path", cfg.train.model_path, needs=("config.json",))
+    if cfg.source.kind == "api":
+        check_api("source.api_url", cfg.source.api_url, timeout=timeout)
+    for url in cfg.push.endpoints:
+        if urlsplit(url).netloc == NODE_LOCAL_HOST:
+            continue  # a SLURM node's own server, not reachable from here
+        check_reachable("push.endpoints", url, timeout=timeout,
+                        fix="start the policy server (`factory-policy-server --model models/starter-policy "
+                            "--port 30000`) or give push.endpoints '[]'")
+
+
+def check_atropos_python(setting: str, python: str, *, timeout: float = 20.0) -> None:
+    """`python` runs and can import atroposlib (the env's own venv)."""
+    import subprocess
+
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('atroposlib') is None)"
+    fix = ("build the Atropos venv (`python -m bench.atropos_venv`, or pip install atroposlib into a venv) and give "
+           "its python as env.python or $ATROPOS_PYTHON")
+    try:
+        result = subprocess.run([python, "-c", probe], capture_output=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise PreflightError(setting, python, f"cannot run it ({type(error).__name__}); {fix}") from None
+    if result.returncode != 0:
+        raise PreflightError(setting, python, f"has no atroposlib; {fix}")
+
+
+def preflight_atropos_env(config: Any, *, local: bool = True, timeout: float = 5.0) -> None:
+    """Check an AtroposEnvConfig before starting the env: its script, its venv's atroposlib (`local`: the process
+    runs on this machine), run-api and the inference server, so none of them fails as a retried process death."""
+    if not Path(config.script).is_file():
+        raise PreflightError("env.script", config.script, "no such file; give the path of the Atropos env script")
+    if local:
+        check_atropos_python("env.python", config.python or os.environ.get("ATROPOS_PYTHON") or "python")
+    check_api("env.api_url", config.api_url, timeout=timeout)
+    if config.inference_url and urlsplit(config.inference_url).netloc != NODE_LOCAL_HOST:
+        check_reachable("env.inference_url", config.inference_url, timeout=timeout,
+                        fix="start the policy server or SGLang, or fix the URL")
+
+
+def check_slurm_client(setting: str, value: Any) -> None:
+    """sbatch and sinfo are on PATH: the flow runs on a SLURM head node."""
+    import shutil
+
+    missing = [tool for tool in ("sbatch", "sinfo") if shutil.which(tool) is None]
+    if missing:
+        raise PreflightError(setting, value, f"{' and '.join(missing)} not on PATH: run this flow on a SLURM head node "
+                             "(a work pool whose worker has the SLURM client), or use a local launcher")

@@ -4,6 +4,12 @@
     line = progress.update(groups_kept=40, rollouts=640)    # after each chunk this session commits
     # 'intern-bootcamp: 3/10 chunks, 40 groups kept, 51.2 rollouts/s, ETA 2m13s'
 
+A run with a target of groups counts groups against the target (its chunks are an upper bound, not a plan) and
+says so once the target is reached:
+
+    # 'intern-bootcamp: 40/100 groups of target, 3/15 chunks, 51.2 rollouts/s, ETA 2m13s'
+    # 'intern-bootcamp: target of 100 groups reached (100%), 5/15 chunks, 51.2 rollouts/s, done'
+
 The flow logs the line (Prefect shows it in the terminal of a CLI run and in
 the UI); `python -m factory.progress watch FLOW_RUN_ID` prints a deployment
 run's progress lines in a terminal and exits with its final state.
@@ -30,8 +36,10 @@ def format_duration(seconds: float) -> str:
 
 class ChunkProgress:
     def __init__(self, name: str, *, total_chunks: int, done_before: int = 0, groups_before: int = 0,
-                 clock=time.monotonic) -> None:
+                 target_groups: int | None = None, clock=time.monotonic) -> None:
         self.name, self.total, self.done_before = name, total_chunks, done_before
+        self.target = target_groups
+        """Groups the run stops at (adaptive runs); None for a run of a fixed number of chunks."""
         self.groups_before = groups_before
         """Groups committed by earlier sessions of a resumed run: the line reports the whole run's groups."""
         self.clock = clock
@@ -45,7 +53,13 @@ class ChunkProgress:
         self.rollouts += rollouts
         return self.line()
 
+    @property
+    def target_reached(self) -> bool:
+        return self.target is not None and self.groups_before + self.groups_kept >= self.target
+
     def line(self) -> str:
+        if self.target is not None:
+            return self._target_line()
         elapsed = max(self.clock() - self.started, 1e-9)
         done = self.done_before + self.session_chunks
         left = self.total - done
@@ -62,6 +76,23 @@ class ChunkProgress:
             return f"{self.name}: {done}/{self.total} chunks, {groups} groups kept, {speed}, {eta}"
         return (f"{self.name}: {done}/{self.total} chunks, {groups} groups kept, "
                 f"{rate:.1f} rollouts/s, {eta}")
+
+
+    def _target_line(self) -> str:
+        elapsed = max(self.clock() - self.started, 1e-9)
+        done = self.done_before + self.session_chunks
+        groups = self.groups_before + self.groups_kept
+        chunks = f"{done}/{self.total} chunks"
+        speed = f"{self.rollouts / elapsed:.1f} rollouts/s" if self.session_chunks else "resumed" if done else None
+        if self.target_reached:
+            head = f"target of {self.target} groups reached (100%), {chunks}"
+            return f"{self.name}: {head}, {speed}, done" if speed else f"{self.name}: {head}, done"
+        if self.groups_kept:
+            eta = "ETA " + format_duration(elapsed / self.groups_kept * (self.target - groups))
+        else:
+            eta = "ETA ?"
+        parts = [f"{groups}/{self.target} groups of target", chunks, *([speed] if speed else []), eta]
+        return f"{self.name}: " + ", ".join(parts)
 
 
 def watch(flow_run_id: str, *, poll_s: float = 2.0, stream=sys.stdout) -> int:

@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from factory.atropos_env import (AtroposEnvConfig, AtroposEnvJob, EnvProgress, ensure_trainer, ingested_groups,
                                  supervise_env)
 from factory.config import build_config, config_help, deployment_sections, parse_cli_overrides, split_config_path, wants_help
+from factory.preflight import preflight_atropos_env
 
 
 def _percent(progress: EnvProgress, config: AtroposEnvConfig) -> float:
@@ -74,6 +75,8 @@ def atropos_env_flow(env: dict[str, Any] | None = None, config_path: str | None 
         values["task_runner_block"] = task_runner_block
     job = build_config(AtroposEnvJob, yaml_path=config_path, values=values)
     config = job.env
+    # script, venv, run-api, inference server: a missing one is one line now, not a retried process death
+    preflight_atropos_env(config, local=not job.task_runner_block)
     ensure_trainer(config)
     baseline = ingested_groups(config.api_url, config.env_name)
     deadline = time.time() + config.max_runtime_s if config.max_runtime_s else None

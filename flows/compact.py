@@ -29,6 +29,8 @@ def compact(store_root: str, runs: list[str] | None = None, target_mb: int = 256
     missing = [run for run in names if not store.commit_log(run).is_file()]
     if missing:
         raise StoreError(f"run(s) {missing} have no commit log under {store.root}; runs there: {store.runs() or 'none'}")
+    if not names:
+        logger.warning("no runs under %s: nothing to compact (is store_root the datagen runs' store?)", store.root)
     reports = []
     for run in names:
         report = compact_run_task(store_root, run, target_bytes=target_mb << 20, flush=flush)

@@ -24,6 +24,7 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 from factory.config import ConfigError, FactoryConfig, build_config, deployment_sections, split_config_path
+from factory.preflight import check_slurm_client, preflight_trainer
 from factory.train.config import TrainJobConfig
 from factory.train.dist_trainer import check_world
 from factory.train.launch import LocalLaunchSpec, SlurmLaunchSpec
@@ -92,9 +93,12 @@ def grpo_train(train: dict[str, Any] | None = None, source: dict[str, Any] | Non
     params = GrpoTrainParams(launcher_block=launcher_block, nproc_per_node=nproc_per_node, nodes=nodes,
                              gpus_per_node=gpus_per_node, timeout_s=timeout_s)
     spec = resolve_launcher(params)
+    if not isinstance(spec, LocalLaunchSpec):
+        check_slurm_client("launcher_block", launcher_block)  # one line here, not sinfo's FileNotFoundError later
     world = world_size_of(spec)
     check_world(cfg.train.batch_size, world)
     check_model_dir(cfg.train.model_path)  # the job checks it again on its nodes; this fails before any sbatch
+    preflight_trainer(cfg)  # run-api and the policy server answer, before any job is launched
     logger.info("GRPO on %s, %d rank(s) via %s, %d steps of %d sequences -> %s", cfg.train.model_path, world,
                 spec.kind, cfg.train.total_steps, cfg.train.batch_size, cfg.train.output_dir)
     summary = run_train_job_task(spec, cfg, timeout_s=timeout_s)

@@ -37,7 +37,7 @@ import httpx
 from prefect import flow, get_run_logger
 from pydantic import ValidationError
 
-from factory.config import build_config, split_config_path
+from factory.config import build_config, deployment_sections, split_config_path
 from factory.train.rl_plan import LoopInputError, RLLoopConfig, RLPlan, build_plan, check_inputs, check_plan, train_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -305,6 +305,16 @@ def run_loop(cfg: RLLoopConfig, log=_say) -> dict[str, Any]:
     return report
 
 
+def loop_config(loop: dict[str, Any] | None, config_path: str | None) -> RLLoopConfig:
+    """The flow's preflight: the run's `loop` keys merged into its deployment's, over the YAML, validated and
+    checked (starter policy, budget, families), so a wrong input fails in seconds with one line."""
+    loop = deployment_sections(loop=loop).get("loop", {})  # a run's keys merge into the deployment's
+    path = None if config_path is None else Path(config_path) if Path(config_path).is_absolute() else ROOT / config_path
+    cfg = build_config(RLLoopConfig, yaml_path=path, values=loop)
+    check_inputs(cfg, ROOT)
+    return cfg
+
+
 @flow(name="rl-loop", log_prints=False)
 def rl_loop(loop: dict[str, Any] | None = None, config_path: str | None = "deployments/rl_loop.yaml") -> dict[str, Any]:
     """Eval, train with GRPO on the train side of the content split until the stop rule, eval again; returns the
@@ -312,8 +322,7 @@ def rl_loop(loop: dict[str, Any] | None = None, config_path: str | None = "deplo
     from prefect.artifacts import create_markdown_artifact
 
     logger = get_run_logger()
-    path = None if config_path is None else (Path(config_path) if Path(config_path).is_absolute() else ROOT / config_path)
-    cfg = build_config(RLLoopConfig, yaml_path=path, values=loop or {})
+    cfg = loop_config(loop, config_path)
     report = run_loop(cfg, log=logger.info)
     create_markdown_artifact(key="rl-loop-report", markdown=report["markdown"],
                              description=f"RL loop report ({cfg.out_dir})")

@@ -18,7 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from factory.config import build_config, deployment_sections, split_config_path
-from factory.preflight import check_model_ref
+from factory.preflight import check_model_ref, preflight_trainer
 from factory.train.config import TrainJobConfig
 from tasks.grpo import publish_train_summary_task, train_grpo_task
 
@@ -36,6 +36,7 @@ def train_grpo(train: dict[str, Any] | None = None, source: dict[str, Any] | Non
     logger = get_run_logger()
     values = deployment_sections(train=train, source=source, push=push)  # a run's keys merge into the deployment's
     cfg = build_train_config(config_path=config_path, values=values)
+    preflight_trainer(cfg)  # no run-api or policy server: one line in seconds, not a wait of source.max_wait_s
     where = cfg.source.api_url if cfg.source.kind == "api" else f"store {cfg.source.store_root} runs {cfg.source.runs}"
     logger.info("GRPO on %s from %s, %d steps of %d sequences -> %s; pushing to %s", cfg.train.model_path, where,
                 cfg.train.total_steps, cfg.train.batch_size, cfg.train.output_dir, cfg.push.endpoints or "no endpoint")

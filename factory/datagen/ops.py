@@ -73,6 +73,8 @@ class RunOps:
         self.owner = RunOwner(store.run_dir(d.run_id), d.producer)
         self.stop = GracefulStop(d.shutdown_grace_s, on_abandon=self._abandon)
         self.progress: ChunkProgress | None = None
+        self.target_groups: int | None = d.target_groups
+        self._progress_artifact: Any = None
         self._upstream: dict[int, tuple[Any, ...]] = {}
         self.runner = _current_task_runner()
 
@@ -169,12 +171,25 @@ class RunOps:
 
     def track(self, name: str, *, total_chunks: int, done_before: int, groups_before: int = 0) -> None:
         self.progress = ChunkProgress(name, total_chunks=total_chunks, done_before=done_before,
-                                      groups_before=groups_before)
+                                      groups_before=groups_before, target_groups=self.target_groups)
         self.logger.info(PROGRESS_PREFIX + self.progress.line())
+        self._mark_target_reached()
 
     def chunk_committed(self, *, groups_kept: int, rollouts: int) -> None:
         if self.progress is not None:
             self.logger.info(PROGRESS_PREFIX + self.progress.update(groups_kept=groups_kept, rollouts=rollouts))
+            self._mark_target_reached()
+
+    def _mark_target_reached(self) -> None:
+        """Once the target is reached, the progress artifact says so (100%), whatever chunks were left unplanned."""
+        if self._progress_artifact is None or self.progress is None or not self.progress.target_reached:
+            return
+        from prefect.artifacts import update_progress_artifact
+
+        from factory.prefect_outage import best_effort
+
+        best_effort(update_progress_artifact, self._progress_artifact, 100.0,
+                    description=f"{self.progress.name}: target of {self.target_groups} groups reached")
 
     def _create_artifact(self, **fields: Any) -> Any:
         from prefect.client.orchestration import get_client
@@ -188,8 +203,11 @@ class RunOps:
         if self.report_run is None:
             from prefect.artifacts import create_progress_artifact
 
-            return create_progress_artifact(progress=progress, key=key, description=description)
-        return self._create_artifact(type="progress", key=key, data=progress, description=description).id
+            self._progress_artifact = create_progress_artifact(progress=progress, key=key, description=description)
+        else:
+            self._progress_artifact = self._create_artifact(type="progress", key=key, data=progress,
+                                                            description=description).id
+        return self._progress_artifact
 
     def summary_artifact(self, rows: list[dict[str, Any]], *, key: str, description: str, store_dir: str) -> None:
         """The summary table on the run the user started, its description linking to the store."""

@@ -76,6 +76,8 @@ def test_target_reached_exactly_with_curriculum_state_artifact_and_levels_on_gro
     assert levels <= {1, 2, 3} and 3 in levels
     assert min(summary["curriculum_levels"].values()) < 3  # never solved: levels went down
     assert Artifact.get("target-curriculum") is not None
+    progress = Artifact.get("target-progress")  # says the target was reached, whatever chunks were left unplanned
+    assert float(progress.data) == 100.0 and "target of 10 groups reached" in progress.description
     plans = replayed_plans(store, "target", lag=2)
     for k, plan in plans.items():
         assert json.loads((store.run_dir("target") / chunk_stats_name(PRODUCER, k)).read_text())["plan"] == plan

@@ -48,6 +48,48 @@ def test_progress_line_has_chunks_groups_rate_and_eta():
     assert format_duration(3725) == "1h02m"
 
 
+def test_target_run_progress_counts_groups_and_says_the_target_was_reached():
+    now = [0.0]
+    progress = ChunkProgress("bootcamp", total_chunks=15, target_groups=20, clock=lambda: now[0])
+    assert progress.line() == "bootcamp: 0/20 groups of target, 0/15 chunks, ETA ?"
+    now[0] = 10.0
+    assert progress.update(groups_kept=5, rollouts=80) == \
+        "bootcamp: 5/20 groups of target, 1/15 chunks, 8.0 rollouts/s, ETA 30s"
+    now[0] = 20.0
+    line = progress.update(groups_kept=15, rollouts=240)
+    assert line == "bootcamp: target of 20 groups reached (100%), 2/15 chunks, 16.0 rollouts/s, done"
+    assert progress.target_reached and "ETA" not in line
+    resumed = ChunkProgress("bootcamp", total_chunks=15, done_before=4, groups_before=20, target_groups=20)
+    assert resumed.line() == "bootcamp: target of 20 groups reached (100%), 4/15 chunks, resumed, done"
+
+
+def test_target_reached_marks_the_progress_artifact_100_percent(monkeypatch):
+    import prefect.artifacts
+
+    from factory.datagen.ops import RunOps
+
+    updates = []
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
+                        lambda artifact_id, progress, description=None:
+                        updates.append((artifact_id, progress, description)))
+    ops = RunOps.__new__(RunOps)
+    ops.logger, ops.target_groups, ops._progress_artifact, ops.progress = _Lines(), 10, "artifact-1", None
+    ops.track("bootcamp", total_chunks=5, done_before=0)
+    ops.chunk_committed(groups_kept=6, rollouts=48)
+    assert updates == []
+    ops.chunk_committed(groups_kept=4, rollouts=32)
+    assert updates == [("artifact-1", 100.0, "bootcamp: target of 10 groups reached")]
+    assert "target of 10 groups reached (100%)" in ops.logger.lines[-1]
+
+
+class _Lines:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, message, *args):
+        self.lines.append(message % args if args else message)
+
+
 def test_sigterm_sets_the_stop_flag_and_starts_the_grace_clock():
     stop = GracefulStop(grace_s=100)
     with stop:
