@@ -113,19 +113,8 @@ def exit_with_outage(line: str, code: int = 1) -> None:
     """Print `error: line` as the very last line and leave: Prefect's log and event workers would otherwise print
     their own failures to reach the API (tracebacks, event dumps) after it, at interpreter exit."""
     import logging
-    import sys
+
+    from factory.shutdown import hard_exit
 
     logging.disable(logging.CRITICAL)
-    try:
-        from factory.local_prefect import drain_prefect_workers
-
-        drain_prefect_workers(timeout=2)
-    except Exception:  # noqa: BLE001 - leaving anyway
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    print(f"error: {line}", file=sys.stderr, flush=True)
-    os._exit(code)
+    hard_exit(code, f"error: {line}", drain_s=2)

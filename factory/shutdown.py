@@ -31,16 +31,13 @@ FORCE_MARGIN_S = 3.0
 """Extra seconds after the grace period before the watchdog forces the exit."""
 
 
-def hard_exit(code: int) -> None:
-    """Flush what can be flushed (std streams, Prefect's log and event queues) and leave now."""
+def hard_exit(code: int, last_line: str | None = None, *, drain_s: float = 3) -> None:
+    """Flush what can be flushed (std streams, Prefect's log and event queues), print `last_line` to stderr if
+    given (after everything else, so it stays last) and leave now."""
     try:
-        if "prefect" not in sys.modules:
-            raise ImportError("nothing of Prefect's to flush")
-        from prefect.events.worker import EventsWorker
-        from prefect.logging.handlers import APILogWorker
+        from factory.local_prefect import drain_prefect_workers
 
-        for worker in (APILogWorker, EventsWorker):
-            worker.drain_all(timeout=3)
+        drain_prefect_workers(timeout=drain_s)
     except Exception:  # noqa: BLE001 - leaving anyway
         pass
     for stream in (sys.stdout, sys.stderr):
@@ -48,6 +45,8 @@ def hard_exit(code: int) -> None:
             stream.flush()
         except Exception:  # noqa: BLE001
             pass
+    if last_line is not None:
+        print(last_line, file=sys.stderr, flush=True)
     os._exit(code)
 
 
