@@ -58,7 +58,7 @@ class InferenceConfig(FactoryConfig):
     health_check: bool = Field(True, description="Probe endpoint health at all; False trusts every endpoint (Atropos name).")
     health_interval_s: float = Field(5.0, gt=0, description="Seconds between background health checks of every "
                                      "endpoint while a client is open.")
-    down_after_s: float = Field(20.0, ge=0, description="Seconds every endpoint may fail (health checks, connections) "
+    down_after_s: float = Field(15.0, ge=0, description="Seconds every endpoint may fail (health checks, connections) "
                                 "before requests fail at once naming them (0: wait and retry as for any failure).")
     num_requests_for_eval: int = Field(64, ge=1, description="Accepted for Atropos configs; evaluation concurrency.")
     rolling_buffer_length: int = Field(1000, ge=1, description="Accepted for Atropos configs; not used here.")
