@@ -27,7 +27,7 @@ def _logged(*errors: BaseException) -> list[logging.LogRecord]:
                 try:
                     raise error
                 except BaseException:
-                    logger.exception(message, error)
+                    logger.exception(message, *((error,) if "%r" in message else ()))
     finally:
         logger.removeHandler(handler)
         logger.removeFilter(one_line)
