@@ -98,7 +98,9 @@ def run_logs(client: Any, run_id: Any) -> list[Any]:
 
 def test_every_non_slurm_deployment_runs_or_fails_fast_saying_what_it_needs(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentTaskRunId
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterName, FlowRunFilter,
+                                                FlowRunFilterId, FlowRunFilterParentTaskRunId)
+    from prefect.client.schemas.sorting import FlowRunSort
     from prefect.deployments import run_deployment
 
     from environments.reference_policy import ReferencePolicy, serve
@@ -117,7 +119,9 @@ def test_every_non_slurm_deployment_runs_or_fails_fast_saying_what_it_needs(pref
     assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
     shipped = deployments()
     with get_client(sync_client=True) as client:
-        registered = {d.name for d in client.read_deployments()}
+        # The server is the session's: earlier tests' deployments are on it too (the API's default page is 200).
+        registered = {d.name for d in client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=list(shipped))), limit=len(shipped))}
     assert set(shipped) <= registered, set(shipped) - registered
 
     # --params through the CLI, the way a user types it: a section given merges into the deployment's.
@@ -186,7 +190,11 @@ def test_every_non_slurm_deployment_runs_or_fails_fast_saying_what_it_needs(pref
     assert typo.returncode != 0 and "Failed" in typo.stdout, typo.stdout[-2000:]
     assert timings["typo run (CLI, --watch)"] < 90, timings
     with get_client(sync_client=True) as client:
-        typo_run = next(r for r in client.read_flow_runs() if r.parameters.get("env") == {"group_sise": 2})
+        # Newest runs of that deployment only: the session's server holds every earlier test's runs too.
+        recent = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["intern-bootcamp-datagen"])),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=10)
+        typo_run = next(r for r in recent if r.parameters.get("env") == {"group_sise": 2})
         assert typo_run.run_count == 1 and "group_sise" in (typo_run.state.message or ""), typo_run.state
 
     store = ShardStore(work / "data")
