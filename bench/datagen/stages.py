@@ -118,6 +118,12 @@ def plain_worker(base_url: str, groups: int, group_size: int, chunk_items: int, 
     env = load_env(spec)
     config = InferenceConfig(base_url=base_url, server_type="openai", model_name="m", num_max_requests_at_once=64)
     tok = load_tokenizer(tokenizer)
+    try:  # as generate_chunk does once per worker process, after its environment and tokenizer are loaded
+        from factory.datagen.heap import freeze_startup_heap
+    except ImportError:  # a checkout from before issue 33's heap freeze (--versus side A)
+        pass
+    else:
+        freeze_startup_heap()
     store, run_id = ShardStore(store_root), "profile"
     score = clock.wrap("score", score_chunk)
     group = clock.wrap("group", group_generated)
