@@ -7,6 +7,7 @@ Each `before_*` function below is the replaced code, kept as the oracle: templat
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ CONVERSATIONS = [
     [{"role": "user", "content": ""}],
     [{"role": "user", "content": "literal <|im_end|> and <|endoftext|> in user text"}],
     [{"role": "user", "content": "é 🎉 ∑  two  spaces\n\n\ttab"}],
-    [{"role": "user", "content": [{"type": "text", "text": "What is shown?"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "user", "content": [{"type": "text", "text": "What is shown?"},
+                                  {"type": "image_url", "image_url": {"url": "x"}}]}],
 ]
 
 
@@ -48,7 +50,8 @@ def before_sequence_tokens(rollout):
     masks = [MASK_IGNORE] * len(prompt) + [t if keep else MASK_IGNORE for t, keep in zip(output, trained)]
     logprobs = None
     if rollout.output_logprobs is not None and len(rollout.output_logprobs) == len(output):
-        logprobs = [1.0] * len(prompt) + [float(x) if keep else 1.0 for x, keep in zip(rollout.output_logprobs, trained)]
+        logprobs = [1.0] * len(prompt) + [float(x) if keep else 1.0
+                                          for x, keep in zip(rollout.output_logprobs, trained)]
     return prompt + output, masks, logprobs
 
 
@@ -85,7 +88,8 @@ def tokenizer(request, tiny):
     return load_tokenizer(str(tiny if request.param == "tiny" else REPO / "models" / "starter-policy"))
 
 
-@pytest.mark.parametrize("messages", CONVERSATIONS, ids=["one-turn", "multi-turn", "empty", "special", "unicode", "parts"])
+@pytest.mark.parametrize("messages", CONVERSATIONS,
+                         ids=["one-turn", "multi-turn", "empty", "special", "unicode", "parts"])
 def test_prompt_ids_are_apply_chat_templates_ids(tokenizer, messages):
     assert prompt_ids(tokenizer, messages) == before_prompt_ids(tokenizer, messages)
 
@@ -155,16 +159,17 @@ def test_group_tokenization_is_as_before(tokenizer, name, given_prompt):
 def test_with_tokens_covers_every_completion_field():
     """tasks.generate._with_tokens builds a Completion field by field: a new field must be added there too."""
     assert [f.name for f in dataclasses.fields(Completion)] == [
-        "text", "prompt_token_ids", "output_token_ids", "output_logprobs", "finish_reason", "policy_version", "endpoint"]
+        "text", "prompt_token_ids", "output_token_ids", "output_logprobs", "finish_reason", "policy_version",
+        "endpoint"]
 
 
 def test_serial_tokenizers_keeps_an_explicit_setting(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     serial_tokenizers()
-    assert __import__("os").environ["TOKENIZERS_PARALLELISM"] == "true"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
     monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     serial_tokenizers()
-    assert __import__("os").environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
 
 
 ids = st.lists(st.integers(0, 300_000), max_size=12)
@@ -176,7 +181,8 @@ def rollouts(draw):
     output = draw(st.none() | ids)
     n = len(output or [])
     mask = draw(st.none() | st.lists(st.booleans(), min_size=max(0, n - 2), max_size=n + 1))  # multi-turn segments
-    logprobs = draw(st.none() | st.lists(st.floats(-20, 0) | st.integers(-5, 0), min_size=max(0, n - 1), max_size=n + 1))
+    values = st.floats(-20, 0) | st.integers(-5, 0)
+    logprobs = draw(st.none() | st.lists(values, min_size=max(0, n - 1), max_size=n + 1))
     return Rollout("k", "t", prompt, output, logprobs, "stop", 0, messages=None, output_mask=mask)
 
 
