@@ -69,14 +69,22 @@ class GroupedChunk:
 def sequence_tokens(rollout: Rollout) -> tuple[list[int], list[int], list[float] | None]:
     """(tokens, masks, inference_logprobs) for one rollout: prompt positions (and, in multi-turn rollouts, the
     environment's turns) masked and given logprob 1.0; only the model's own tokens are trained on."""
-    prompt = list(rollout.prompt_token_ids or [])
-    output = list(rollout.output_token_ids or [])
-    trained = rollout.output_mask if rollout.output_mask is not None else [True] * len(output)
-    masks = [MASK_IGNORE] * len(prompt) + [t if keep else MASK_IGNORE for t, keep in zip(output, trained)]
+    prompt = rollout.prompt_token_ids or ()
+    output = rollout.output_token_ids or ()
+    trained = rollout.output_mask
+    masks = [MASK_IGNORE] * len(prompt)
+    if trained is None:  # one reply: every output token is the model's (the common case, without a per-token loop)
+        masks += output
+    else:  # a mask shorter than the output cuts the masks short, as zip does (the group then fails validation)
+        masks += [t if keep else MASK_IGNORE for t, keep in zip(output, trained)]
     logprobs = None
     if rollout.output_logprobs is not None and len(rollout.output_logprobs) == len(output):
-        logprobs = [1.0] * len(prompt) + [float(x) if keep else 1.0 for x, keep in zip(rollout.output_logprobs, trained)]
-    return prompt + output, masks, logprobs
+        logprobs = [1.0] * len(prompt)
+        if trained is None:
+            logprobs += map(float, rollout.output_logprobs)
+        else:
+            logprobs += [float(x) if keep else 1.0 for x, keep in zip(rollout.output_logprobs, trained)]
+    return [*prompt, *output], masks, logprobs
 
 
 def build_group(

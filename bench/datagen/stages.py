@@ -118,6 +118,12 @@ def plain_worker(base_url: str, groups: int, group_size: int, chunk_items: int, 
     env = load_env(spec)
     config = InferenceConfig(base_url=base_url, server_type="openai", model_name="m", num_max_requests_at_once=64)
     tok = load_tokenizer(tokenizer)
+    try:  # as generate_chunk does once per worker process, after its environment and tokenizer are loaded
+        from factory.datagen.heap import freeze_startup_heap
+    except ImportError:  # a checkout from before issue 33's heap freeze (--versus side A)
+        pass
+    else:
+        freeze_startup_heap()
     store, run_id = ShardStore(store_root), "profile"
     score = clock.wrap("score", score_chunk)
     group = clock.wrap("group", group_generated)
@@ -248,6 +254,58 @@ def versus(args: argparse.Namespace) -> None:
         raise SystemExit("A and B wrote different rows")
 
 
+def raw_cpu(base_url: str, groups: int, group_size: int) -> float:
+    """Process CPU seconds of bench/datagen/raw_client.py (sockets, one process) making `groups` calls, from
+    its children's rusage: interpreter start and 64 warm connections included."""
+    import resource
+    import subprocess
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("raw_client.py")), "--url", base_url, "--kind",
+                    "sockets", "--procs", "1", "--groups", str(groups), "--group-size", str(group_size)],
+                   check=True, capture_output=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def versus_raw(args: argparse.Namespace) -> None:
+    """The plain worker (this checkout, its own process) against the raw sockets client, in CPU per group,
+    interleaved per round: raw at `--groups` and at 0 groups (its start-up), then the worker."""
+    import subprocess
+
+    from bench.datagen.run import InstantServer
+
+    here = Path(__file__).resolve().parents[2]
+    rounds = []
+    for round_index in range(args.pairs):
+        with InstantServer(1) as server:
+            raw = raw_cpu(server.base_url, args.groups, args.group_size)
+            raw_start = raw_cpu(server.base_url, 0, args.group_size)
+        done = subprocess.run([sys.executable, __file__, "--groups", str(args.groups), "--group-size",
+                               str(args.group_size), "--chunk-items", str(args.chunk_items), "--json-out", os.devnull,
+                               "--record-line"], env={**os.environ, "PYTHONPATH": str(here)}, capture_output=True,
+                              text=True, cwd=here, check=True)
+        worker = json.loads(done.stdout.strip().splitlines()[-1])
+        rounds.append({"round": round_index, "raw_cpu_s": raw, "raw_start_cpu_s": raw_start,
+                       "worker_cpu_s": worker["worker"]["process_cpu_s"], "stage_cpu_s": worker["stage_cpu_s"],
+                       "rows": worker["worker"]["rows"], "content_sha256": worker["worker"]["content_sha256"],
+                       "load": os.getloadavg()[0]})
+    us = 1e6 / args.groups
+    harness.print_table(
+        ["round", "raw CPU us/group (start-up incl.)", "raw, less start-up", "worker CPU us/group",
+         "raw/worker", "raw less start-up/worker", "rows", "content sha256", "load"],
+        [(r["round"], f"{us * r['raw_cpu_s']:.0f}", f"{us * (r['raw_cpu_s'] - r['raw_start_cpu_s']):.0f}",
+          f"{us * r['worker_cpu_s']:.0f}", f"{r['raw_cpu_s'] / r['worker_cpu_s']:.2f}x",
+          f"{(r['raw_cpu_s'] - r['raw_start_cpu_s']) / r['worker_cpu_s']:.2f}x", r["rows"], r["content_sha256"][:12],
+          f"{r['load']:.1f}") for r in rounds],
+        title=f"one datagen worker against the raw sockets client, CPU per group, {args.groups} groups of "
+              f"{args.group_size} (target: raw/worker >= 0.25x)")
+    with args.json_out.open("a") as out:
+        for r in rounds:
+            out.write(json.dumps({"bench": "datagen-profile-versus-raw", "time": time.time(),
+                                  "command": harness.command_line(), "machine": harness.machine(), **r}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench.datagen.run import InstantServer, tiny_policy
 
@@ -261,11 +319,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json-out", type=Path, default=harness.RESULTS_DIR / "datagen-profile.jsonl")
     parser.add_argument("--versus", type=Path, metavar="CHECKOUT",
                         help="before/after: run this profile on CHECKOUT's code (A) and this one's (B), interleaved")
-    parser.add_argument("--pairs", type=int, default=3, help="A,B rounds for --versus")
+    parser.add_argument("--pairs", type=int, default=3, help="A,B rounds for --versus, rounds for --versus-raw")
+    parser.add_argument("--versus-raw", action="store_true",
+                        help="CPU per group of this checkout's worker against the raw sockets client, interleaved")
     parser.add_argument("--record-line", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.versus is not None:
         return versus(args)
+    if args.versus_raw:
+        return versus_raw(args)
     if args.smoke:
         args.groups, args.chunk_items = min(args.groups, 32), min(args.chunk_items, 16)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
