@@ -155,7 +155,7 @@ def serial_tokenizers() -> None:
 def _with_tokens(c: Completion, prompt: list[int] | None, output: list[int] | None,
                  logprobs: list[float] | None) -> Completion:
     """`c` with its token ids and logprobs set: `dataclasses.replace` without its per-call field walk (~8x
-    cheaper; tests/unit/tasks/test_tokenize_batch.py checks that these are all of Completion's fields)."""
+    cheaper; tests/unit/tasks/test_tokenize_same_as_before.py checks that these are all of Completion's fields)."""
     return Completion(c.text, prompt, output, logprobs, c.finish_reason, c.policy_version, c.endpoint)
 
 
