@@ -86,7 +86,8 @@ def test_trainer_and_compact_deployments_run_from_a_checkout(prefect_server, tmp
         source = {"poll_s": 0.05, "max_wait_s": 60}
         runs = {
             "train-grpo": run_deployment("train-grpo/train-grpo", timeout=0, parameters={
-                "train": TRAIN, "source": {**source, "api_url": api_1.url}, "push": {"endpoints": [server.base_url]}}).id,
+                "train": TRAIN, "source": {**source, "api_url": api_1.url},
+                "push": {"endpoints": [server.base_url]}}).id,
             "grpo-train": run_deployment("grpo-train/grpo-train", timeout=0, parameters={
                 "train": {**TRAIN, "optim": {"micro_batch_size": 4, "warmup_steps": 0}},
                 "source": {**source, "api_url": api_2.url}, "push": {"endpoints": []}}).id,

@@ -6,7 +6,8 @@ import inspect
 import logging
 import threading
 
-from factory.run_logging import logs_to_task_run, outcome_warning, project_logs_to_run, project_logs_to_task_run
+from factory.run_logging import (ToRunLogger, ToTaskRuns, logs_to_task_run, outcome_warning, project_logs_to_run,
+                                 project_logs_to_task_run)
 
 
 class Recorder:
@@ -69,7 +70,7 @@ def test_tasks_in_a_worker_process_forward_to_their_own_run_logger_each_record_o
     assert first.records == [(logging.WARNING, "factory.inference.endpoints: from task one")]
     assert second.records == [(logging.WARNING, "tasks.score: from task two"),
                               (logging.ERROR, "factory.inference.health: from a helper thread")]
-    assert not logging.getLogger("factory").handlers
+    assert not [h for h in logging.getLogger("factory").handlers if isinstance(h, (ToRunLogger, ToTaskRuns))]
 
 
 def test_a_task_in_the_flow_process_leaves_forwarding_to_the_flow_run():
@@ -89,7 +90,7 @@ def test_a_task_body_outside_prefect_is_the_plain_function_with_its_signature():
     body = logs_to_task_run(chunk)
     assert inspect.signature(body) == inspect.signature(chunk) and body.__name__ == "chunk"
     assert body("s", [1], tokenizer_name="t") == ("s", [1], "t")
-    assert not logging.getLogger("factory").handlers
+    assert not [h for h in logging.getLogger("factory").handlers if isinstance(h, (ToRunLogger, ToTaskRuns))]
 
 
 def summary(kept: int, **dropped: int) -> dict:
