@@ -8,14 +8,23 @@ scorer pool's reader) still lands on the run.
 
     with project_logs_to_run(get_run_logger()):
         ...  # logger.warning("endpoint ... unhealthy") in factory/ now shows on the run
+
+Tasks that run in other processes (chunks on a Dask LocalCluster or in SLURM worker jobs) are outside that block:
+their task bodies are wrapped with `logs_to_task_run`, which does the same with the task run's logger for the
+length of the task, in a process where no flow run forwards project records already (so nothing is sent twice).
+Prefect's task run logger reaches the API from the worker process; its records carry the flow run id.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 PROJECT_LOGGERS = ("factory", "environments", "tasks", "flows", "blocks")
 
@@ -29,12 +38,17 @@ class ToRunLogger(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            message = record.getMessage()
-            if record.exc_info and record.levelno >= logging.ERROR:
-                message += "\n" + logging.Formatter().formatException(record.exc_info)
-            self.run_logger.log(record.levelno, "%s: %s", record.name, message)
+            relog(self.run_logger, record)
         except Exception:  # noqa: BLE001 - logging must never break the run
             self.handleError(record)
+
+
+def relog(run_logger: Any, record: logging.LogRecord) -> None:
+    """`record` on `run_logger`, prefixed with its logger's name (and its traceback from ERROR up)."""
+    message = record.getMessage()
+    if record.exc_info and record.levelno >= logging.ERROR:
+        message += "\n" + logging.Formatter().formatException(record.exc_info)
+    run_logger.log(record.levelno, "%s: %s", record.name, message)
 
 
 @contextmanager
@@ -50,6 +64,86 @@ def project_logs_to_run(run_logger: Any, *, level: int = logging.WARNING,
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+class ToTaskRuns(logging.Handler):
+    """One per process, while tasks run in it: a record goes to the run logger of the task running in the thread
+    that logged it, else (a helper thread: the sampling loop, a health checker) to the newest task's."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.tasks: dict[int, tuple[int, Any]] = {}  # token -> (thread ident, run logger), oldest first
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            entries = list(self.tasks.values())
+            if not entries:
+                return
+            run_logger = next((lg for thread, lg in reversed(entries) if thread == record.thread), entries[-1][1])
+            relog(run_logger, record)
+        except Exception:  # noqa: BLE001 - logging must never break the run
+            self.handleError(record)
+
+
+_task_lock = threading.Lock()
+_task_handler: ToTaskRuns | None = None
+
+
+def forwarded_by_a_flow(names: tuple[str, ...] = PROJECT_LOGGERS) -> bool:
+    """Whether a flow run in this process forwards project records already (`project_logs_to_run` is on)."""
+    return any(type(h) is ToRunLogger for h in logging.getLogger(names[0]).handlers)
+
+
+@contextmanager
+def project_logs_to_task_run(run_logger: Any, *, level: int = logging.WARNING,
+                             names: tuple[str, ...] = PROJECT_LOGGERS) -> Iterator[bool]:
+    """For the length of a task: project records at `level` or above also go to `run_logger`, unless a flow run in
+    this process forwards them already. Yields whether this task forwards. Tasks running at once in one process
+    share one handler (each record is sent once)."""
+    global _task_handler
+    token = object()
+    with _task_lock:
+        if forwarded_by_a_flow(names):
+            forwarding = False
+        else:
+            forwarding = True
+            if _task_handler is None:
+                _task_handler = ToTaskRuns(level)
+                for name in names:
+                    logging.getLogger(name).addHandler(_task_handler)
+            with _task_handler.lock:
+                _task_handler.tasks[id(token)] = (threading.get_ident(), run_logger)
+    try:
+        yield forwarding
+    finally:
+        if forwarding:
+            with _task_lock:
+                handler = _task_handler
+                assert handler is not None
+                with handler.lock:
+                    del handler.tasks[id(token)]
+                if not handler.tasks:
+                    for name in names:
+                        logging.getLogger(name).removeHandler(handler)
+                    _task_handler = None
+
+
+def logs_to_task_run(fn: F) -> F:
+    """`fn` as a Prefect task's body: inside a task run, the project's warnings it logs reach the run's log wherever
+    the task runs (see `project_logs_to_task_run`); called outside Prefect it is `fn`."""
+
+    @functools.wraps(fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        from prefect.context import TaskRunContext
+
+        if TaskRunContext.get() is None:
+            return fn(*args, **kwargs)
+        from prefect import get_run_logger
+
+        with project_logs_to_task_run(get_run_logger()):
+            return fn(*args, **kwargs)
+
+    return body  # type: ignore[return-value]
 
 
 def outcome_warning(summary: dict[str, Any]) -> str | None:

@@ -29,6 +29,7 @@ from factory.datagen.heap import freeze_startup_heap
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.health import EndpointsDown
 from factory.inference.types import Completion, SamplingParams
+from factory.run_logging import logs_to_task_run
 from factory.slurm_cluster import resolve_node_local, worker_identity
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,6 @@ def retry_unless_endpoints_down(task: Any, task_run: Any, state: Any) -> bool:
 
 
 generate_task = task(
-    generate_chunk, name="generate", task_run_name="generate-chunk", retries=2, retry_delay_seconds=[5, 30],
-    cache_policy=NO_CACHE, retry_condition_fn=retry_unless_endpoints_down,
+    logs_to_task_run(generate_chunk), name="generate", task_run_name="generate-chunk", retries=2,
+    retry_delay_seconds=[5, 30], cache_policy=NO_CACHE, retry_condition_fn=retry_unless_endpoints_down,
 )

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from environments.base import Item, Rollout
 from environments.groups import MASK_IGNORE, ScoredGroup, make_group_id
+from factory.run_logging import logs_to_task_run
 from tasks.generate import GeneratedChunk
 
 logger = logging.getLogger(__name__)
@@ -191,4 +192,4 @@ def group_generated(
     return grouped
 
 
-group_task = task(group_generated, name="group", task_run_name="group-{env}", cache_policy=NO_CACHE)
+group_task = task(logs_to_task_run(group_generated), name="group", task_run_name="group-{env}", cache_policy=NO_CACHE)

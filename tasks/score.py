@@ -23,6 +23,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from environments.base import EnvSpec, Item, Rollout
+from factory.run_logging import logs_to_task_run
 from tasks.generate import GeneratedChunk
 from tasks.scoring_pool import ScorerPool, score_item
 
@@ -83,5 +84,6 @@ def score_generated(
 
 
 score_task = task(
-    score_generated, name="score", task_run_name="score-chunk", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE
+    logs_to_task_run(score_generated), name="score", task_run_name="score-chunk", retries=1, retry_delay_seconds=2,
+    cache_policy=NO_CACHE,
 )

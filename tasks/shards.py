@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from prefect import task
 
 from environments.groups import ScoredGroup
+from factory.run_logging import logs_to_task_run
 from factory.store import CommitRecord, ShardStore
 
 
@@ -16,7 +17,7 @@ def write_shard(root: str, run_id: str, producer: str, chunk: int, groups: Seque
 
 
 write_shard_task = task(
-    write_shard,
+    logs_to_task_run(write_shard),
     name="write-shard",
     task_run_name="write-shard-{producer}-{chunk}",
     retries=2,

@@ -14,9 +14,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +129,56 @@ def test_deployment_run_completes_and_its_shards_are_readable(prefect_server, tm
     assert len(groups) == 8 and all(g.group_size == 4 for g in groups)
 
 
+class _Sick(BaseHTTPRequestHandler):
+    """A model server that passes its health checks and answers every generation with HTTP 500."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # /health, /v1/models
+        self._answer(200, b'{"data": []}')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(500, b'{"error": "sick"}')
+
+
+@contextmanager
+def sick_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sick)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_dask_deployment_runs_its_chunks_in_worker_processes(prefect_server, tmp_path):
-    """intern-bootcamp-datagen-dask: the flow pickled to Dask worker processes by its module name, chunks there."""
+    """intern-bootcamp-datagen-dask: the flow pickled to Dask worker processes by its module name, chunks there;
+    the project's warnings logged in those workers (a sick endpoint taken out of rotation) are on the run's log."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort
+
     from factory.inference.local_server import start_local_server
 
     env, work = client_env(prefect_server), checkout_like(tmp_path)
     deployed = prefect("--no-prompt", "deploy", "--name", "intern-bootcamp-datagen-dask", env=env, cwd=work)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    with start_local_server(REPO / "models/starter-policy") as server, \
+    with start_local_server(REPO / "models/starter-policy") as server, sick_server() as sick, \
             process_worker("local-process", env=env, cwd=work, log=tmp_path / "worker.log"):
         params = {"env": {"group_size": 4, "total_items": 12, "max_tokens": 8},
-                  "openai": {"base_url": server.base_url},
+                  "openai": {"base_url": [server.base_url, sick]},
                   "datagen": {"run_id": "dask-trial", "chunk_items": 3, "task_runner": "dask", "dask_workers": 2,
                               "dask_threads_per_worker": 2, "score_workers": 1}}
         started = time.monotonic()
@@ -146,6 +187,18 @@ def test_the_dask_deployment_runs_its_chunks_in_worker_processes(prefect_server,
         worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-4000:]
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:] + worker_log
     print(f"dask deployment run: {time.monotonic() - started:.1f} s")
+    with get_client(sync_client=True) as client:  # this deployment's newest runs only: the server is the session's
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["intern-bootcamp-datagen-dask"])),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=10)
+        run_id = next(r.id for r in runs if (r.parameters.get("datagen") or {}).get("run_id") == "dask-trial")
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), limit=200)
+    ejected = [log for log in logs if f"taking {sick} out of rotation" in log.message]
+    assert ejected and all(log.level == 30 and log.task_run_id for log in ejected), [log.message for log in logs][-40:]
+    # Each once: as many as the Dask workers logged (their output reaches the process worker's log).
+    emitted = [line for line in (tmp_path / "worker.log").read_text(errors="replace").splitlines()
+               if f"factory.inference.endpoints - taking {sick} out of rotation" in line]
+    assert len(ejected) == len(emitted), (len(ejected), emitted)
     summary = assert_every_item_once(work / "data", "dask-trial", 12)
     assert summary["chunks_committed"] == 4
     # The chunks ran in the LocalCluster's worker processes, not in the flow's process.

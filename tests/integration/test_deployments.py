@@ -5,8 +5,9 @@ that answers every shipped env in microseconds, so the runs cost what the factor
 that cannot run from a fresh clone here (a hub dataset while offline, the shipped judge endpoint that nothing
 serves) must fail in seconds, once, with a line naming what they need.
 
-Not run here: train-grpo, grpo-train and rl-loop (a trainer on torch, covered by tests/integration/test_train_*.py
-and test_rl_loop_flow.py), atropos-env (an Atropos venv; test_atropos_env.py), and the SLURM deployments.
+Not run here: train-grpo, grpo-train and compact (run as deployments with a run-api and a tiny store by
+tests/integration/test_trainer_deployments.py), rl-loop (test_rl_loop_flow.py), atropos-env (an Atropos venv;
+test_atropos_env.py), and the SLURM deployments.
 """
 
 from __future__ import annotations

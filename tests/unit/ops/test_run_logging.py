@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 
-from factory.run_logging import outcome_warning, project_logs_to_run
+from factory.run_logging import (ToRunLogger, ToTaskRuns, logs_to_task_run, outcome_warning, project_logs_to_run,
+                                 project_logs_to_task_run)
 
 
 class Recorder:
@@ -29,6 +31,66 @@ def test_project_warnings_from_any_thread_go_to_the_run_logger_and_stop_after_th
     assert run_logger.records == [(logging.WARNING, "factory.inference.endpoints: endpoint http://x unhealthy"),
                                   (logging.ERROR, "tasks.score: scorer died")]
     assert not any(type(h).__name__ == "ToRunLogger" for h in logging.getLogger("factory").handlers)
+
+
+def in_thread(fn) -> None:
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def test_tasks_in_a_worker_process_forward_to_their_own_run_logger_each_record_once():
+    """Two tasks at once in a process without a flow run (a Dask worker): a record goes to the task of the thread
+    that logged it; one from a helper thread (the sampling loop) to the newest task; nothing after both end."""
+    first, second = Recorder(), Recorder()
+    in_first, second_started, second_done = threading.Event(), threading.Event(), threading.Event()
+    forwarding = []
+
+    def task_two() -> None:
+        in_first.wait()
+        with project_logs_to_task_run(second) as on:
+            forwarding.append(on)
+            second_started.set()
+            logging.getLogger("tasks.score").warning("from task two")
+            second_done.wait()
+
+    two = threading.Thread(target=task_two)
+    two.start()
+    with project_logs_to_task_run(first) as on:
+        forwarding.append(on)
+        in_first.set()
+        second_started.wait()
+        logging.getLogger("factory.inference.endpoints").warning("from task one")
+        in_thread(lambda: logging.getLogger("factory.inference.health").error("from a helper thread"))
+        second_done.set()
+        two.join()
+        logging.getLogger("environments.llm_judge").info("below WARNING")
+    logging.getLogger("factory").warning("after both tasks")
+    assert forwarding == [True, True]
+    assert first.records == [(logging.WARNING, "factory.inference.endpoints: from task one")]
+    assert second.records == [(logging.WARNING, "tasks.score: from task two"),
+                              (logging.ERROR, "factory.inference.health: from a helper thread")]
+    assert not [h for h in logging.getLogger("factory").handlers if isinstance(h, (ToRunLogger, ToTaskRuns))]
+
+
+def test_a_task_in_the_flow_process_leaves_forwarding_to_the_flow_run():
+    """The thread runner: the flow forwards project records already; the task adds nothing (no record twice)."""
+    flow_logger, task_logger = Recorder(), Recorder()
+    with project_logs_to_run(flow_logger), project_logs_to_task_run(task_logger) as forwarding:
+        logging.getLogger("tasks.generate").warning("item 3 failed")
+    assert forwarding is False
+    assert flow_logger.records == [(logging.WARNING, "tasks.generate: item 3 failed")] and task_logger.records == []
+
+
+def test_a_task_body_outside_prefect_is_the_plain_function_with_its_signature():
+    def chunk(spec: str, indices: list[int], *, tokenizer_name: str | None = None) -> tuple:
+        logging.getLogger("factory").warning("not forwarded: no task run")
+        return spec, indices, tokenizer_name
+
+    body = logs_to_task_run(chunk)
+    assert inspect.signature(body) == inspect.signature(chunk) and body.__name__ == "chunk"
+    assert body("s", [1], tokenizer_name="t") == ("s", [1], "t")
+    assert not [h for h in logging.getLogger("factory").handlers if isinstance(h, (ToRunLogger, ToTaskRuns))]
 
 
 def summary(kept: int, **dropped: int) -> dict:
