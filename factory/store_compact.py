@@ -59,6 +59,11 @@ from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, StoreError,
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_BYTES = 256 << 20
+COPY_MIN_SHARD_BYTES = 1 << 20
+"""Copy row groups only where the members average this many bytes: smaller shards are re-encoded into row groups
+of `row_group_groups` groups. Copied, each member keeps its own row groups (one or more), and a file of thousands
+of ~36 kB row groups has a footer of ~3.5 kB per row group that every open parses (~7 MB for 2,000 shards): measured
+on such a file, run-api drained ~1.5 batches/s instead of ~100 and exports ran 5-8x slower (bench/RESULTS.md)."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
 
@@ -132,21 +137,24 @@ def compact_run(
     flush: bool = True,
     row_group_groups: int = 256,
     progress: Callable[[str], None] | None = None,
-    copy: bool = True,
+    copy: bool | None = None,
+    copy_min_shard_bytes: int = COPY_MIN_SHARD_BYTES,
 ) -> CompactReport:
     """Merge the run's shards into files of about `target_bytes` (see the module docstring).
 
-    With `copy` (the default) a merged file is the members' row groups copied as they are, pages not decoded
-    (factory/parquet_concat.py); where that is refused (members of different schemas or writers, something
-    unexpected in a footer), or with `copy=False`, the members are decoded and re-encoded in row groups of
-    `row_group_groups` groups. Either way a member's rows are the same rows of the merged file."""
+    A merged file is the members' row groups copied as they are, pages not decoded (factory/parquet_concat.py),
+    where the members average at least `copy_min_shard_bytes` (`copy=None`, the default) or always (`copy=True`);
+    otherwise, or where copying is refused (members of different schemas or writers, something unexpected in a
+    footer: logged), the members are decoded and re-encoded in row groups of `row_group_groups` groups
+    (`copy=False`: always). Either way a member's rows are the same rows of the merged file."""
     if not store.commit_log(run_id).is_file():
         raise StoreError(f"run {run_id} has no commit log at {store.commit_log(run_id)}; check the store root and the run id")
     check_writers_are_current(store, run_id)
     report = CompactReport(run_id)
     start = time.perf_counter()
     for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
-        name = _merge(store, run_id, batch, row_group_groups, report, copy)
+        copying = copy if copy is not None else sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch)
+        name = _merge(store, run_id, batch, row_group_groups, report, copying)
         if name and progress:
             progress(f"{run_id}: merged {len(batch)} shards into {name}")
     report.seconds = time.perf_counter() - start
@@ -162,7 +170,7 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     try:
         try:
             checksum: str | None = None
-            refused = "not asked to copy" if not copy else None
+            refused = "shards too small to copy their row groups" if not copy else None
             if copy:
                 try:
                     rows, problem, checksum = _write_concatenated(shards, tmp, batch)

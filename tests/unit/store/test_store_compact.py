@@ -47,7 +47,7 @@ def test_compaction_keeps_every_group_in_order_and_each_shard_locatable(tmp_path
     store = ShardStore(tmp_path)
     fill(store, "r", 30)
     before, records = ids(store, "r"), store.committed("r")
-    report = compact_run(store, "r", target_bytes=sum(r.bytes for r in records.values()) // 3)
+    report = compact_run(store, "r", target_bytes=sum(r.bytes for r in records.values()) // 3, copy=True)
     assert report.copied == len(report.files) and not report.decoded  # row groups copied, not re-encoded
     assert report.shards >= 28 and len(report.files) >= 3 and report.rows == 5 * report.shards  # a last lone shard stays
     fresh = ShardStore(tmp_path)
@@ -164,8 +164,9 @@ def test_served_groups_stay_served_after_compaction_and_restart(tmp_path, copy):
 KILL_POINTS = ["written", "logged", "renamed", "removing"]
 
 
+@pytest.mark.parametrize("copy", [True, False])
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point):
+def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point, copy):
     store = ShardStore(tmp_path)
     fill(store, "r", 8)
     before = ids(store, "r")
@@ -177,7 +178,7 @@ def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path
             if point == {point!r}:
                 os.kill(os.getpid(), signal.SIGKILL)
         compact._reached = die
-        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30)
+        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30, copy={copy!r})
     """)
     result = subprocess.run([sys.executable, "-c", child], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             capture_output=True, timeout=120)
@@ -262,7 +263,7 @@ def test_shards_that_cannot_be_copied_are_merged_by_decoding(tmp_path, monkeypat
     monkeypatch.undo()
     before = ids(store, "r")
     with caplog.at_level("WARNING", logger="factory.store_compact"):
-        report = compact_run(store, "r", target_bytes=1 << 30)
+        report = compact_run(store, "r", target_bytes=1 << 30, copy=True)
     assert report.copied == 0 and len(report.decoded) == 1 and "key-value metadata differs" in report.decoded[0]
     assert "by decoding them" in caplog.text
     fresh = ShardStore(tmp_path)
@@ -274,7 +275,7 @@ def test_a_copied_file_holds_each_shard_as_its_own_row_groups(tmp_path):
     for chunk, count in enumerate([3, 7, 1, 12]):
         store.commit("r", "w0", chunk, synthetic_groups(count, start=chunk * 100, group_size=2, seq_len=8), row_group_groups=5)
     before, records = ids(store, "r"), store.committed("r")
-    compact_run(store, "r", target_bytes=1 << 30)
+    assert compact_run(store, "r", target_bytes=1 << 30, copy_min_shard_bytes=1).copied == 1
     fresh = ShardStore(tmp_path)
     (path,) = fresh.shard_paths("r")
     meta = pq.ParquetFile(path).metadata
@@ -284,3 +285,15 @@ def test_a_copied_file_holds_each_shard_as_its_own_row_groups(tmp_path):
         located, offset, rows = fresh.locate("r", name)
         assert located == path and pq.read_table(path).slice(offset, rows).column("group_id").to_pylist() == \
             [g.group_id for g in synthetic_groups(record.rows, start=record.chunk * 100, group_size=2, seq_len=8)]
+
+
+def test_small_shards_are_re_encoded_and_large_ones_copied_by_default(tmp_path):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    records = store.committed("r")
+    mean = sum(r.bytes for r in records.values()) // len(records)
+    fill(store, "s", 4)
+    assert compact_run(store, "r", target_bytes=1 << 30, copy_min_shard_bytes=mean + 1).decoded == [
+        "shards too small to copy their row groups"]
+    assert compact_run(store, "s", target_bytes=1 << 30, copy_min_shard_bytes=mean - 1000).copied == 1
+    assert ids(ShardStore(tmp_path), "r") == ids(ShardStore(tmp_path), "s")
