@@ -43,6 +43,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,6 +65,8 @@ COPY_MIN_SHARD_BYTES = 1 << 20
 of `row_group_groups` groups. Copied, each member keeps its own row groups (one or more), and a file of thousands
 of ~36 kB row groups has a footer of ~3.5 kB per row group that every open parses (~7 MB for 2,000 shards): measured
 on such a file, run-api drained ~1.5 batches/s instead of ~100 and exports ran 5-8x slower (bench/RESULTS.md)."""
+PARALLEL_HASH_BYTES = 1 << 20
+"""Members this large are checked against their sha256 on a second thread while they are copied."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
 
@@ -241,15 +244,21 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
     (0, why a member cannot be merged, None). Raises `ConcatRefused` where they cannot be copied as they are.
 
     Each member is read once: the bytes copied are the bytes checked against the log's size and sha256 (the
-    same checks, and the same reasons, as `ShardStore._check`); its pages and their CRCs are not touched."""
+    same checks, and the same reasons, as `ShardStore._check`); its pages and their CRCs are not touched.
+    Hashing is most of the work (each byte is hashed twice: as a member, and as part of `tmp`), so a large
+    member's check runs on a second thread while it is copied (hashlib lets go of the GIL); a member found
+    damaged only after it was copied leaves `tmp` to be removed like any other unfinished merge."""
     digest = hashlib.sha256()
 
     def write(data: Any) -> None:
         digest.update(data)
         handle.write(data)
 
+    def checksum(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
     rows = 0
-    with open(tmp, "wb") as handle:
+    with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher:
         concat = ParquetConcat(handle, write)
         for record in batch:
             path = shards / record.shard
@@ -260,9 +269,21 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
                 return 0, f"shard {path}: missing", None
             if len(data) != record.bytes:
                 return 0, f"shard {path}: size is {len(data)} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-            if hashlib.sha256(data).hexdigest() != record.sha256:
-                return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
-            held = concat.add(data, str(path))
+            corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
+            if len(data) < PARALLEL_HASH_BYTES:
+                if checksum(data) != record.sha256:
+                    return 0, corrupt, None
+                held = concat.add(data, str(path))
+            else:
+                check = hasher.submit(checksum, data)
+                try:
+                    held = concat.add(data, str(path))
+                except ConcatRefused:
+                    if check.result() != record.sha256:
+                        return 0, corrupt, None
+                    raise
+                if check.result() != record.sha256:
+                    return 0, corrupt, None
             if held != record.rows:
                 return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
             rows += held

@@ -297,3 +297,20 @@ def test_small_shards_are_re_encoded_and_large_ones_copied_by_default(tmp_path):
         "shards too small to copy their row groups"]
     assert compact_run(store, "s", target_bytes=1 << 30, copy_min_shard_bytes=mean - 1000).copied == 1
     assert ids(ShardStore(tmp_path), "r") == ids(ShardStore(tmp_path), "s")
+
+
+@pytest.mark.parametrize("where", ["pages", "footer"])
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_damaged_shard_is_found_by_the_copy_and_its_batch_left_as_it_was(tmp_path, monkeypatch, where, threaded):
+    if threaded:  # checked on the second thread while being copied
+        monkeypatch.setattr("factory.store_compact.PARALLEL_HASH_BYTES", 0)
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    path = tmp_path / "r" / "shards" / "w0-00000002.parquet"
+    data = bytearray(path.read_bytes())
+    data[100 if where == "pages" else len(data) - 40] ^= 0xFF  # same size, other bytes
+    path.write_bytes(bytes(data))
+    report = compact_run(store, "r", target_bytes=1 << 30, copy=True)
+    assert report.files == [] and "sha256 differs from the commit log (corrupt)" in report.skipped[0]
+    assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
+    assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
