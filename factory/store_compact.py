@@ -16,7 +16,9 @@ says where a shard's rows are now.
 Steps (each safe to be killed after):
 1. the merged file is written under a hidden temporary name and fsynced, with
    its directory; the members are read only after their size and sha256 are
-   checked against the log;
+   checked against the log. It is the members' row groups copied as they are
+   (pages not decoded: factory/parquet_concat.py), one or more per member, or,
+   where they cannot be copied (see `compact_run`), their rows re-encoded;
 2. under the run's lock, the members are checked to be still committed as they
    were (not replaced meanwhile), and the record is appended (the commit point:
    a checked line, fsynced; see commit_log.py);
@@ -35,25 +37,36 @@ before stays served: the served state is keyed by shard name and row).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.commit_log import LogUncertain, append_line, encode_line, fsync_dir
+from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.schema import GROUP_SCHEMA
 from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, StoreError, _sha256, _write_failure
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_BYTES = 256 << 20
+COPY_MIN_SHARD_BYTES = 1 << 20
+"""Copy row groups only where the members average this many bytes: smaller shards are re-encoded into row groups
+of `row_group_groups` groups. Copied, each member keeps its own row groups (one or more), and a file of thousands
+of ~36 kB row groups has a footer of ~3.5 kB per row group that every open parses (~7 MB for 2,000 shards): measured
+on such a file, run-api drained ~1.5 batches/s instead of ~100 and exports ran 5-8x slower (bench/RESULTS.md)."""
+PARALLEL_HASH_BYTES = 1 << 20
+"""Members this large are checked against their sha256 on a second thread while they are copied."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
 
@@ -70,6 +83,10 @@ class CompactReport:
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
     """Why a batch of shards was left as it was (replaced meanwhile, damaged)."""
+    copied: int = 0
+    """Merged files written by copying the members' row groups (factory/parquet_concat.py)."""
+    decoded: list[str] = field(default_factory=list)
+    """Why a merged file was written by decoding and re-encoding its members instead (one entry per file)."""
 
     @property
     def mb_per_s(self) -> float:
@@ -123,34 +140,56 @@ def compact_run(
     flush: bool = True,
     row_group_groups: int = 256,
     progress: Callable[[str], None] | None = None,
+    copy: bool | None = None,
+    copy_min_shard_bytes: int = COPY_MIN_SHARD_BYTES,
 ) -> CompactReport:
-    """Merge the run's shards into files of about `target_bytes` (see the module docstring)."""
+    """Merge the run's shards into files of about `target_bytes` (see the module docstring).
+
+    A merged file is the members' row groups copied as they are, pages not decoded (factory/parquet_concat.py),
+    where the members average at least `copy_min_shard_bytes` (`copy=None`, the default) or always (`copy=True`);
+    otherwise, or where copying is refused (members of different schemas or writers, something unexpected in a
+    footer: logged), the members are decoded and re-encoded in row groups of `row_group_groups` groups
+    (`copy=False`: always). Either way a member's rows are the same rows of the merged file."""
     if not store.commit_log(run_id).is_file():
         raise StoreError(f"run {run_id} has no commit log at {store.commit_log(run_id)}; check the store root and the run id")
     check_writers_are_current(store, run_id)
     report = CompactReport(run_id)
     start = time.perf_counter()
     for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
-        name = _merge(store, run_id, batch, row_group_groups, report)
+        copying = copy if copy is not None else sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch)
+        name = _merge(store, run_id, batch, row_group_groups, report, copying)
         if name and progress:
             progress(f"{run_id}: merged {len(batch)} shards into {name}")
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport) -> str | None:
+def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport,
+           copy: bool = True) -> str | None:
     shards = store.shards_dir(run_id)
     name = f"compact-{Path(batch[0].shard).stem}-{uuid.uuid4().hex[:8]}.parquet"
     tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
     logged = False
     try:
         try:
-            rows, problem = _write_merged(shards, tmp, batch, row_group_groups)
+            checksum: str | None = None
+            refused = "shards too small to copy their row groups" if not copy else None
+            if copy:
+                try:
+                    rows, problem, checksum = _write_concatenated(shards, tmp, batch)
+                except ConcatRefused as error:
+                    refused = str(error)
+                    logger.warning("run %s: merging %d shards (first %s) by decoding them: their row groups cannot be "
+                                   "copied as they are: %s", run_id, len(batch), batch[0].shard, refused)
+            if refused is not None:
+                rows, problem = _write_merged(shards, tmp, batch, row_group_groups)
             if problem:
                 report.skipped.append(problem)
                 logger.error("run %s: %s; those shards are left as they are", run_id, problem)
                 return None
-            size, checksum = tmp.stat().st_size, _sha256(tmp)
+            size = tmp.stat().st_size
+            if checksum is None:
+                checksum = _sha256(tmp)
             fsync_dir(shards)
         except OSError as error:
             raise _write_failure("writing compacted file", tmp, error) from error
@@ -188,12 +227,70 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
         if not logged:
             tmp.unlink(missing_ok=True)
     report.files.append(name)
+    if refused is None:
+        report.copied += 1
+    else:
+        report.decoded.append(refused)
     report.shards += len(batch)
     report.rows += rows
     report.bytes_in += sum(r.bytes for r in batch)
     report.bytes_out += size
     logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
     return name
+
+
+def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
+    """Write the members' row groups, in order and as they are, to `tmp`; (rows, None, sha256 of `tmp`) or
+    (0, why a member cannot be merged, None). Raises `ConcatRefused` where they cannot be copied as they are.
+
+    Each member is read once: the bytes copied are the bytes checked against the log's size and sha256 (the
+    same checks, and the same reasons, as `ShardStore._check`); its pages and their CRCs are not touched.
+    Hashing is most of the work (each byte is hashed twice: as a member, and as part of `tmp`), so a large
+    member's check runs on a second thread while it is copied (hashlib lets go of the GIL); a member found
+    damaged only after it was copied leaves `tmp` to be removed like any other unfinished merge."""
+    digest = hashlib.sha256()
+
+    def write(data: Any) -> None:
+        digest.update(data)
+        handle.write(data)
+
+    def checksum(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    rows = 0
+    with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher:
+        concat = ParquetConcat(handle, write)
+        for record in batch:
+            path = shards / record.shard
+            try:
+                with open(path, "rb") as member:
+                    data = member.read()
+            except FileNotFoundError:
+                return 0, f"shard {path}: missing", None
+            if len(data) != record.bytes:
+                return 0, f"shard {path}: size is {len(data)} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+            corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
+            if len(data) < PARALLEL_HASH_BYTES:
+                if checksum(data) != record.sha256:
+                    return 0, corrupt, None
+                held = concat.add(data, str(path))
+            else:
+                check = hasher.submit(checksum, data)
+                try:
+                    held = concat.add(data, str(path))
+                except ConcatRefused:
+                    if check.result() != record.sha256:
+                        return 0, corrupt, None
+                    raise
+                if check.result() != record.sha256:
+                    return 0, corrupt, None
+            if held != record.rows:
+                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+            rows += held
+        concat.finish()
+        handle.flush()
+        os.fsync(handle.fileno())
+    return rows, None, digest.hexdigest()
 
 
 def _write_merged(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_groups: int) -> tuple[int, str | None]:
@@ -236,7 +333,9 @@ def _write_merged(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_
 def main_line(report: CompactReport) -> str:
     return (f"{report.run_id}: merged {report.shards} shards ({report.rows} groups, {report.bytes_in / 1e6:.1f} MB) "
             f"into {len(report.files)} files ({report.bytes_out / 1e6:.1f} MB) in {report.seconds:.1f} s "
-            f"({report.mb_per_s:.0f} MB/s)" + (f"; left as they were: {'; '.join(report.skipped)}" if report.skipped else ""))
+            f"({report.mb_per_s:.0f} MB/s)"
+            + (f"; {len(report.decoded)} by decoding (first because: {report.decoded[0]})" if report.decoded else "")
+            + (f"; left as they were: {'; '.join(report.skipped)}" if report.skipped else ""))
 
 
 

@@ -3,6 +3,8 @@ stores of many small shards, before and after compaction.
 
     python -m bench.shards.scale --shards 10000 100000       # each size in turn (~15 kB shards: 10 groups of 4 x 64)
     python -m bench.shards.scale --smoke                      # 300 shards, seconds
+    python -m bench.shards.scale --compare                    # compaction MB/s: copying row groups vs decoding
+    python -m bench.shards.scale --compare --smoke            # the same on a few shards, seconds
 
 A store is built synthetically (shards written and logged directly, like `ShardStore.commit` minus the per-shard
 fsync, which only makes building slow); each measurement runs in its own process (a cold start, as a restart is).
@@ -141,12 +143,13 @@ def measure_viewer(root: str) -> dict:
     return {"viewer_first_page_s": time.perf_counter() - begin, "viewer_rows": len(rows), "viewer_pending": index.pending}
 
 
-def compact(root: str, target_mb: float) -> dict:
+def compact(root: str, target_mb: float, copy: bool | None = None) -> dict:
     from factory.store import ShardStore
     from factory.store_compact import compact_run
 
-    report = compact_run(ShardStore(root), RUN, target_bytes=int(target_mb * (1 << 20)), flush=True)
+    report = compact_run(ShardStore(root), RUN, target_bytes=int(target_mb * (1 << 20)), flush=True, copy=copy)
     return {"compact_s": report.seconds, "compact_mb_per_s": report.mb_per_s, "compact_files": len(report.files),
+            "copied_files": report.copied,
             "compact_shards": report.shards, "bytes_in": report.bytes_in, "bytes_out": report.bytes_out}
 
 
@@ -162,6 +165,75 @@ def compaction_throughput(root: str, groups: int, chunk: int, target_mb: float) 
             "compact_s": report.seconds, "compact_mb_per_s": report.mb_per_s, "write_mb_per_s": written["bytes"] / 1e6 / written["seconds"]}
 
 
+def compaction_compare(scratch: str, small_shards: int, large_groups: int, large_chunk: int, pairs: int,
+                       target_mb: float) -> list[dict]:
+    """Compaction MB/s by copying row groups vs by decoding, on the same shards, interleaved (copy, decode,
+    decode, copy, ...), each trial on a fresh copy of one pristine store: small shards (`build_store`'s
+    ~36 kB, 10 groups of 4 x 64 tokens) and large ones (`large_chunk` groups of 8 x 1024 tokens each)."""
+    from bench.shards.run import store_write
+    from factory.store import ShardStore
+    from factory.store_compact import compact_run
+
+    rows = []
+    for size in ("small", "large"):
+        pristine = Path(scratch) / f"pristine-{size}"
+        shutil.rmtree(pristine, ignore_errors=True)
+        if size == "small":
+            build_store(pristine, small_shards)
+            run = RUN
+        else:
+            store_write(str(pristine), large_groups, 8, 1024, large_chunk)
+            run = "bench"
+        records = list(ShardStore(pristine).committed(run).values())
+        mb = sum(r.bytes for r in records) / 1e6
+        trials: dict[str, list[float]] = {"copy": [], "decode": []}
+        for pair in range(pairs):
+            for mode in (("copy", "decode") if pair % 2 == 0 else ("decode", "copy")):
+                work = Path(scratch) / f"work-{size}"
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.copytree(pristine, work)
+                report = compact_run(ShardStore(work), run, target_bytes=int(target_mb * (1 << 20)), flush=True,
+                                     copy=mode == "copy")
+                assert report.shards == len(records) and (report.copied == len(report.files)) == (mode == "copy"), report
+                trials[mode].append(report.mb_per_s)
+                shutil.rmtree(work, ignore_errors=True)
+        row = {"size": size, "shards": len(records), "mb": mb, "shard_kb": mb * 1e3 / len(records),
+               "copy_mb_per_s": trials["copy"], "decode_mb_per_s": trials["decode"]}
+        if size == "small":
+            row.update(_per_file_costs(pristine, run, records))
+        shutil.rmtree(pristine, ignore_errors=True)
+        rows.append(row)
+    return rows
+
+
+def _per_file_costs(root: Path, run: str, records: list) -> dict:
+    """Microseconds per member shard of the copy path's parts: open + read + sha256, and the footer's parse and
+    rewrite (`ParquetConcat.add`, data held in memory, output discarded)."""
+    import hashlib
+    import io
+
+    from factory.parquet_concat import ParquetConcat
+    from factory.store import ShardStore
+
+    shards = ShardStore(root).shards_dir(run)
+    begin = time.perf_counter()
+    blobs = []
+    for record in records:
+        with open(shards / record.shard, "rb") as handle:
+            data = handle.read()
+        hashlib.sha256(data).hexdigest()
+        blobs.append(data)
+    read_us = (time.perf_counter() - begin) / len(records) * 1e6
+    concat = ParquetConcat(io.BytesIO())
+    begin = time.perf_counter()
+    for data in blobs:
+        concat.add(data)
+    concat.finish()
+    footer_us = (time.perf_counter() - begin) / len(records) * 1e6
+    footer = int.from_bytes(blobs[0][-8:-4], "little")
+    return {"read_hash_us_per_file": read_us, "footer_us_per_file": footer_us, "footer_bytes_per_shard": footer}
+
+
 def _rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -171,7 +243,7 @@ def _isolated(function, *args) -> dict:
         return pool.apply(function, args)
 
 
-def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool) -> list[dict]:
+def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, copy: bool | None = None) -> list[dict]:
     call = _isolated if isolate else (lambda f, *a: f(*a))
     root = scratch / f"store-{shards}"
     shutil.rmtree(root, ignore_errors=True)
@@ -181,7 +253,7 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool) -> lis
     next_chunk = 0
     for phase in ("before", "after"):
         if phase == "after":
-            done = call(compact, str(root), target_mb)
+            done = call(compact, str(root), target_mb, copy)
             print(f"# compaction: {json.dumps(done)}", flush=True)
         state = str(scratch / f"state-{shards}.sqlite")
         if phase == "before":
@@ -220,10 +292,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json-out", default=None, help="append one JSON line per size and phase")
     parser.add_argument("--throughput", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=None,
                         help="only measure compaction MB/s on GROUPS groups of 8 x 1024 tokens, CHUNK groups per shard")
+    parser.add_argument("--compare", action="store_true",
+                        help="only compaction MB/s, copying row groups vs decoding, interleaved, on small and large shards")
+    parser.add_argument("--pairs", type=int, default=3, help="--compare: (copy, decode) pairs per shard size")
+    parser.add_argument("--small-shards", type=int, default=3000, help="--compare: ~36 kB shards merged")
+    parser.add_argument("--large", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=[2000, 200],
+                        help="--compare: GROUPS groups of 8 x 1024 tokens in shards of CHUNK groups (~15 MB at 200)")
+    parser.add_argument("--compact-by", choices=["auto", "copy", "decode"], default="auto",
+                        help="how the shards are merged: compact_run's choice by shard size, or always one way")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards = [300]
+        args.small_shards, args.large, args.pairs = 100, [40, 20], 1
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-shard-scale-"))
+    if args.compare:
+        try:
+            rows = _isolated(compaction_compare, str(scratch), args.small_shards, *args.large, args.pairs, args.target_mb)
+        finally:
+            if not args.dir:
+                shutil.rmtree(scratch, ignore_errors=True)
+        print("\n| shards | count | MB | kB/shard | copy MB/s (each) | decode MB/s (each) | copy / decode |")
+        print("|---|---:|---:|---:|---|---|---:|")
+        for r in rows:
+            copy, decode = statistics.median(r["copy_mb_per_s"]), statistics.median(r["decode_mb_per_s"])
+            print(f"| {r['size']} | {r['shards']:,} | {r['mb']:.1f} | {r['shard_kb']:.1f} | {copy:.1f} "
+                  f"({', '.join(f'{v:.1f}' for v in r['copy_mb_per_s'])}) | {decode:.1f} "
+                  f"({', '.join(f'{v:.1f}' for v in r['decode_mb_per_s'])}) | {copy / decode:.1f}x |")
+        small = rows[0]
+        print(f"\nsmall shards, per file on the copy path: open + read + sha256 {small['read_hash_us_per_file']:.0f} us, "
+              f"footer parse + rewrite {small['footer_us_per_file']:.0f} us (footer {small['footer_bytes_per_shard']} bytes "
+              f"of {small['shard_kb'] * 1e3:.0f})")
+        if args.json_out:
+            with open(args.json_out, "a") as out:
+                for row in rows:
+                    out.write(json.dumps(row) + "\n")
+        return None
     if args.throughput:
         root = scratch / "throughput"
         shutil.rmtree(root, ignore_errors=True)
@@ -236,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         for shards in args.shards:
-            rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke)
+            rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke,
+                             copy={"auto": None, "copy": True, "decode": False}[args.compact_by])
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)

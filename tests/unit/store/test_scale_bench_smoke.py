@@ -24,3 +24,9 @@ def test_startup_ab_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[3])
     main(["--smoke", "--dir", str(tmp_path)])
     assert "median start-up A" in capsys.readouterr().out
+
+
+def test_compaction_compare_smoke(tmp_path, capsys):
+    scale.main(["--compare", "--smoke", "--dir", str(tmp_path / "scratch")])
+    out = capsys.readouterr().out
+    assert "| small | 100 |" in out and "| large | 2 |" in out and "footer parse + rewrite" in out

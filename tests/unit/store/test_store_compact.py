@@ -47,7 +47,8 @@ def test_compaction_keeps_every_group_in_order_and_each_shard_locatable(tmp_path
     store = ShardStore(tmp_path)
     fill(store, "r", 30)
     before, records = ids(store, "r"), store.committed("r")
-    report = compact_run(store, "r", target_bytes=sum(r.bytes for r in records.values()) // 3)
+    report = compact_run(store, "r", target_bytes=sum(r.bytes for r in records.values()) // 3, copy=True)
+    assert report.copied == len(report.files) and not report.decoded  # row groups copied, not re-encoded
     assert report.shards >= 28 and len(report.files) >= 3 and report.rows == 5 * report.shards  # a last lone shard stays
     fresh = ShardStore(tmp_path)
     assert ids(fresh, "r") == before
@@ -122,7 +123,8 @@ def test_compaction_refuses_a_run_an_old_version_still_writes(tmp_path):
     assert len(ids(ShardStore(tmp_path), "r")) == 15
 
 
-def test_served_groups_stay_served_after_compaction_and_restart(tmp_path):
+@pytest.mark.parametrize("copy", [True, False])
+def test_served_groups_stay_served_after_compaction_and_restart(tmp_path, copy):
     def batch_ids(body: bytes) -> list[str]:
         data = orjson.loads(body)
         return [item["group_id"] for item in data["batch"]] if data.get("batch") else []
@@ -138,7 +140,7 @@ def test_served_groups_stay_served_after_compaction_and_restart(tmp_path):
         for _ in range(4):
             served += batch_ids((await service.next_batch(False)).raw)
         await service.stop()
-        compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30)
+        compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30, copy=copy)
         assert len(list((tmp_path / "gen" / "shards").glob("*.parquet"))) == 1
         service = BatchService(cfg)
         await service.start()
@@ -162,8 +164,9 @@ def test_served_groups_stay_served_after_compaction_and_restart(tmp_path):
 KILL_POINTS = ["written", "logged", "renamed", "removing"]
 
 
+@pytest.mark.parametrize("copy", [True, False])
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point):
+def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point, copy):
     store = ShardStore(tmp_path)
     fill(store, "r", 8)
     before = ids(store, "r")
@@ -175,7 +178,7 @@ def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path
             if point == {point!r}:
                 os.kill(os.getpid(), signal.SIGKILL)
         compact._reached = die
-        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30)
+        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30, copy={copy!r})
     """)
     result = subprocess.run([sys.executable, "-c", child], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             capture_output=True, timeout=120)
@@ -189,7 +192,8 @@ def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path
     assert ids(ShardStore(tmp_path), "r") == ids(fresh, "r") and len(ids(fresh, "r")) == 45
 
 
-def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copy", [True, False])
+def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monkeypatch, copy):
     store = ShardStore(tmp_path)
     fill(store, "r", 5)
     before = ids(store, "r")
@@ -198,9 +202,9 @@ def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monke
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("factory.store_compact._write_merged", full)
+    monkeypatch.setattr("factory.store_compact._write_concatenated" if copy else "factory.store_compact._write_merged", full)
     with pytest.raises(StoreError, match="disk is full"):
-        compact_run(store, "r")
+        compact_run(store, "r", copy=copy)
     assert ids(ShardStore(tmp_path), "r") == before
     assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.endswith(".tmp")]
 
@@ -222,7 +226,8 @@ def test_compact_task_function_and_cli(tmp_path, capsys):
     assert len(list((tmp_path / "b" / "shards").glob("*.parquet"))) == 1
 
 
-def test_viewer_index_reads_the_same_rows_before_and_after_compaction(tmp_path):
+@pytest.mark.parametrize("copy", [True, False])
+def test_viewer_index_reads_the_same_rows_before_and_after_compaction(tmp_path, copy):
     from factory.viewer.index import RunIndex
 
     store = ShardStore(tmp_path)
@@ -236,9 +241,76 @@ def test_viewer_index_reads_the_same_rows_before_and_after_compaction(tmp_path):
         return {row["group_id"]: row["item_key"] for row in payload}
 
     before = rows(index)
-    compact_run(store, "r", target_bytes=1 << 30, row_group_groups=3)  # shards straddle row groups
+    # Copied: a row group per shard; decoded: shards straddle row groups.
+    report = compact_run(store, "r", target_bytes=1 << 30, row_group_groups=3, copy=copy)
+    assert report.copied == (1 if copy else 0)
     index.refresh()  # live: the compaction re-indexes its shards from the merged file
     assert rows(index) == before and len(before) == 30 and not index.problems
     fresh = RunIndex(ShardStore(tmp_path), "r")
     fresh.refresh()
     assert rows(fresh) == before and not fresh.problems
+
+
+def test_shards_that_cannot_be_copied_are_merged_by_decoding(tmp_path, monkeypatch, caplog):
+    """A shard written with other schema metadata (as by another version) is refused by the copy; the merge
+    falls back to decoding, logs why, and every group is still there once, in order."""
+    import factory.store as store_module
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 3)
+    monkeypatch.setattr(store_module, "GROUP_SCHEMA", store_module.GROUP_SCHEMA.with_metadata({b"factory.schema_version": b"0"}))
+    fill(store, "r", 2, start=3)
+    monkeypatch.undo()
+    before = ids(store, "r")
+    with caplog.at_level("WARNING", logger="factory.store_compact"):
+        report = compact_run(store, "r", target_bytes=1 << 30, copy=True)
+    assert report.copied == 0 and len(report.decoded) == 1 and "key-value metadata differs" in report.decoded[0]
+    assert "by decoding them" in caplog.text
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before and fresh.verify("r") == []
+
+
+def test_a_copied_file_holds_each_shard_as_its_own_row_groups(tmp_path):
+    store = ShardStore(tmp_path)
+    for chunk, count in enumerate([3, 7, 1, 12]):
+        store.commit("r", "w0", chunk, synthetic_groups(count, start=chunk * 100, group_size=2, seq_len=8), row_group_groups=5)
+    before, records = ids(store, "r"), store.committed("r")
+    assert compact_run(store, "r", target_bytes=1 << 30, copy_min_shard_bytes=1).copied == 1
+    fresh = ShardStore(tmp_path)
+    (path,) = fresh.shard_paths("r")
+    meta = pq.ParquetFile(path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [3, 5, 2, 1, 5, 5, 2]
+    assert ids(fresh, "r") == before and fresh.verify("r") == []
+    for name, record in records.items():
+        located, offset, rows = fresh.locate("r", name)
+        assert located == path and pq.read_table(path).slice(offset, rows).column("group_id").to_pylist() == \
+            [g.group_id for g in synthetic_groups(record.rows, start=record.chunk * 100, group_size=2, seq_len=8)]
+
+
+def test_small_shards_are_re_encoded_and_large_ones_copied_by_default(tmp_path):
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    records = store.committed("r")
+    mean = sum(r.bytes for r in records.values()) // len(records)
+    fill(store, "s", 4)
+    assert compact_run(store, "r", target_bytes=1 << 30, copy_min_shard_bytes=mean + 1).decoded == [
+        "shards too small to copy their row groups"]
+    assert compact_run(store, "s", target_bytes=1 << 30, copy_min_shard_bytes=mean - 1000).copied == 1
+    assert ids(ShardStore(tmp_path), "r") == ids(ShardStore(tmp_path), "s")
+
+
+@pytest.mark.parametrize("where", ["pages", "footer"])
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_damaged_shard_is_found_by_the_copy_and_its_batch_left_as_it_was(tmp_path, monkeypatch, where, threaded):
+    if threaded:  # checked on the second thread while being copied
+        monkeypatch.setattr("factory.store_compact.PARALLEL_HASH_BYTES", 0)
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    path = tmp_path / "r" / "shards" / "w0-00000002.parquet"
+    data = bytearray(path.read_bytes())
+    data[100 if where == "pages" else len(data) - 40] ^= 0xFF  # same size, other bytes
+    path.write_bytes(bytes(data))
+    report = compact_run(store, "r", target_bytes=1 << 30, copy=True)
+    assert report.files == [] and "sha256 differs from the commit log (corrupt)" in report.skipped[0]
+    assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
+    assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
