@@ -235,13 +235,37 @@ def test_atropos_env_process_runs_in_a_slurm_job(slurm, prefect_server, atropos_
     assert len(jobs) == 2 and all(job.isdigit() for job in jobs), jobs  # both lives ran inside a SLURM job
 
 
-def test_atropos_env_deployment_registers_with_its_module_entrypoint(prefect_server):
-    environ = {**os.environ, **prefect_server}
-    deployed = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--name", "atropos-env"],
-                              cwd=REPO, env=environ, capture_output=True, text=True, timeout=120)
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    shown = subprocess.run([sys.executable, "-m", "prefect", "deployment", "inspect", "atropos-env/atropos-env"],
-                           cwd=REPO, env=environ, capture_output=True, text=True, timeout=60)
-    assert shown.returncode == 0, shown.stdout + shown.stderr
-    assert "flows.atropos_env:atropos_env_flow" in shown.stdout
-    assert "deployments/atropos_env.yaml" in shown.stdout
+def test_atropos_env_deployment_run_lands_the_envs_groups(prefect_server, atropos_python, stand_in, run_api,
+                                                          tmp_path):
+    """`prefect deploy --name atropos-env`, a process worker, a deployment run with the script and its venv given
+    per run (as deployments/atropos_env.yaml says): the run completes at its target and the groups are stored."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from tests.integration.test_datagen_deployment import checkout_like, client_env, prefect, process_worker
+    from tests.integration.test_deployments import wait_for
+
+    api_url, store = run_api
+    environ, work = client_env(prefect_server), checkout_like(tmp_path)
+    deployed = prefect("--no-prompt", "deploy", "--name", "atropos-env", env=environ, cwd=work)
+    assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+    shown = prefect("deployment", "inspect", "atropos-env/atropos-env", env=environ, cwd=work)
+    assert "flows.atropos_env:atropos_env_flow" in shown.stdout and "deployments/atropos_env.yaml" in shown.stdout
+
+    script = tmp_path / "doubling_env.py"
+    script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
+                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
+    target = 3
+    # Only what a user gives per run; the rest (args, restarts) merges in from the deployment's config file.
+    env = {"script": str(script), "python": str(atropos_python), "api_url": api_url, "inference_url": stand_in,
+           "model_name": "stand-in", "env_name": "doubling", "target_groups": target, "max_runtime_s": 80,
+           "poll_s": 0.3, "stop_grace_s": 5, "log_path": str(tmp_path / "env.log")}
+    with process_worker("local-process", env=environ, cwd=work, log=tmp_path / "worker.log"):
+        run_id = run_deployment("atropos-env/atropos-env", parameters={"env": env}, timeout=0).id
+        with get_client(sync_client=True) as client:
+            run = wait_for(client, {"atropos-env": run_id}, timeout=240)["atropos-env"]
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+    env_log = (tmp_path / "env.log").read_text(errors="replace")[-2000:] if (tmp_path / "env.log").exists() else ""
+    assert run.state.is_completed(), (run.state, worker_log, env_log)
+    tables = [pq.read_table(path) for path in sorted((store / "api" / "shards").glob("*.parquet"))]
+    assert sum(env_name == "doubling" for table in tables for env_name in table.column("env").to_pylist()) >= target
