@@ -76,6 +76,11 @@ class StoreError(RuntimeError):
         self.errno = errno_
 
 
+class RecordMaybeLogged(StoreError):
+    """Appending a record to a commit log failed in a way that may have left it in the log: whatever the record
+    names must be kept, so that the next read can finish what the record says."""
+
+
 def _write_failure(what: str, path: Path, error: OSError) -> StoreError:
     hint = " (the disk is full: free space, then rerun)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
     return StoreError(f"{what} {path} failed: {error.strerror or error}{hint}", error.errno)
@@ -501,14 +506,10 @@ class ShardStore:
                 if not tmp.exists():
                     raise StoreError(f"{tmp} vanished before its commit (was `repair` run while writers were active?); retry the chunk")
                 try:
-                    append_line(self.commit_log(run_id), record.to_line())
-                except LogUncertain as error:
-                    logged = True  # it may be in the log: keep the temporary, so the commit can still be finished
-                    self._forget_log(run_id)
-                    raise StoreError(str(error), error.errno) from error
-                except OSError as error:
-                    self._forget_log(run_id)
-                    raise _write_failure("appending the commit record of shard " + name + " to", self.commit_log(run_id), error) from error
+                    self._append_record(run_id, record.to_line(), "the commit record of shard " + name)
+                except RecordMaybeLogged:
+                    logged = True  # keep the temporary, so the commit can still be finished
+                    raise
                 logged = True
                 self._publish(tmp, shards / name)
         finally:
@@ -606,6 +607,18 @@ class ShardStore:
         """Rename committed shards left under their temporary name (a crash or failed rename) into place."""
         with self._locked(run_id):
             return self._finish_commits(run_id)
+
+    def _append_record(self, run_id: str, line: bytes, what: str) -> None:
+        """Append one record (`what`, for the message) to the run's commit log; StoreError if it failed,
+        RecordMaybeLogged if it may be in the log all the same. Either way the cached log is dropped."""
+        try:
+            append_line(self.commit_log(run_id), line)
+        except LogUncertain as error:
+            self._forget_log(run_id)
+            raise RecordMaybeLogged(str(error), error.errno) from error
+        except OSError as error:
+            self._forget_log(run_id)
+            raise _write_failure(f"appending {what} to", self.commit_log(run_id), error) from error
 
     def _forget_log(self, run_id: str) -> None:
         with self._logs_lock:

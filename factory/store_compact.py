@@ -52,10 +52,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.commit_log import LogUncertain, append_line, encode_line, fsync_dir
+from factory.commit_log import encode_line, fsync_dir
 from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.schema import GROUP_SCHEMA
-from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, StoreError, _sha256, _write_failure
+from factory.store import (PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError, _sha256,
+                           _write_failure)
 
 logger = logging.getLogger(__name__)
 
@@ -206,14 +207,10 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
                 report.skipped.append(f"{len(changed)} shards (first {changed[0]}) were replaced while being merged")
                 return None
             try:
-                append_line(store.commit_log(run_id), encode_line(record))
-            except LogUncertain as error:
-                logged = True  # it may be in the log: keep the file, so the next read can finish the compaction
-                store._forget_log(run_id)
-                raise StoreError(str(error), error.errno) from error
-            except OSError as error:
-                store._forget_log(run_id)
-                raise _write_failure("appending the compaction record of " + name + " to", store.commit_log(run_id), error) from error
+                store._append_record(run_id, encode_line(record), "the compaction record of " + name)
+            except RecordMaybeLogged:
+                logged = True  # keep the file, so the next read can finish the compaction
+                raise
             logged = True
             _reached("logged")
             os.replace(tmp, shards / name)
