@@ -175,7 +175,8 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
            "model_name": "stand-in", "env_name": "doubling", "target_groups": target, "max_runtime_s": 80,
            "max_restarts": 2, "poll_s": 0.3, "stop_grace_s": 5, "log_path": str(tmp_path / "env.log")}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = atropos_env_flow(env=env, config_path=str(REPO / "deployments" / "atropos_env.yaml"))
+    state = atropos_env_flow(env=env, config_path=str(REPO / "deployments" / "atropos_env.yaml"), return_state=True)
+    result = state.result()
     log = (tmp_path / "env.log").read_text(errors="replace")[-3000:]
     assert result["stopped_by"] == "target", log
     assert result["restarts"] == 1, log  # the first process died and Prefect's retry started a second
@@ -196,10 +197,11 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
 
     async def artifacts() -> tuple[float, str]:
         async with get_client() as client:
-            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
             found = await client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=["atropos-env-progress", "atropos-env-summary"])))
+                key=ArtifactFilterKey(any_=["atropos-env-progress", "atropos-env-summary"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
             by_key = {a.key: a for a in found}
             return float(by_key["atropos-env-progress"].data), str(by_key["atropos-env-summary"].data)
 

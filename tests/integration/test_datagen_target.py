@@ -139,8 +139,12 @@ def test_a_missed_target_fails_without_retries_with_the_true_numbers_and_a_resum
     assert "(8 items tried, 32 rollouts;" in message  # 2 chunks of 4 items, group_size 4
     summary = json.loads((store.run_dir("missed") / f"stats-{PRODUCER}.json").read_text())
     assert summary["groups_kept"] == kept and summary["items_tried"] == 8 and summary["rollouts"] == 32
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    # Newest first: the session's server holds every earlier test's runs (the API's default page is 200).
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_flow_runs() if r.parameters.get("datagen", {}).get("run_id") == "missed"]
+        recent = client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=50)
+        runs = [r for r in recent if r.parameters.get("datagen", {}).get("run_id") == "missed"]
     (parent,) = runs
     assert parent.state.is_failed() and parent.run_count == 1 and message in parent.state.message
 

@@ -87,9 +87,12 @@ def test_flow_preflight_failure_is_failed_at_once_not_retried(prefect_server, po
     assert "PreflightError: preflight: openai.base_url=" in last_line(run.stderr), run.stderr[-3000:]
     assert elapsed < 45, elapsed  # the flow's retries (2 x 30 s) are skipped for a wrong setting
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
 
+    # Newest first: the session's server holds every earlier test's runs (the API's default page is 200).
     with get_client(sync_client=True) as client:
-        (flow_run,) = [r for r in client.read_flow_runs() if r.parameters.get("datagen", {}).get("run_id") == "pre"]
+        recent = client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=50)
+        (flow_run,) = [r for r in recent if r.parameters.get("datagen", {}).get("run_id") == "pre"]
     assert flow_run.state.is_failed() and flow_run.run_count == 1
     assert "PreflightError: preflight: openai.base_url=" in flow_run.state.message
 
