@@ -45,6 +45,11 @@ class ServeConfig(FactoryConfig):
         10.0, ge=0, description="Longest a commit waits for posts whose bodies are being decoded at that moment, to share "
         "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
+    commit_concurrency: int = Field(
+        2, ge=1, description="Shards of posted groups being written at once: posts that arrive while one is encoded "
+        "and fsynced start the next instead of waiting for it (the commit log's appends stay one at a time). 1: one "
+        "writer, so more posts share each shard, at the cost of the posts' wait.",
+    )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(
         32.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches (a batch reads a few "

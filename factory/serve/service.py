@@ -186,6 +186,7 @@ class BatchService:
             max_groups=self.config.commit_max_groups,
             row_group_groups=self.config.ingest_row_group_groups,
             linger_s=self.config.commit_linger_ms / 1000,
+            concurrency=self.config.commit_concurrency,
         )
         committer.start()
         self.committer = committer
