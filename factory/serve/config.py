@@ -46,9 +46,10 @@ class ServeConfig(FactoryConfig):
         "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
     commit_concurrency: int = Field(
-        2, ge=1, description="Shards of posted groups being written at once: posts that arrive while one is encoded "
-        "and fsynced start the next instead of waiting for it (the commit log's appends stay one at a time). 1: one "
-        "writer, so more posts share each shard, at the cost of the posts' wait.",
+        1, ge=1, description="Shards of posted groups being written at once. 1 (default): one writer; posts that "
+        "arrive meanwhile share the next shard. 2: they start the next one at once (the commit log's appends stay "
+        "one at a time): shorter waits where CPU is idle, but ~1/3 smaller shards and 5-12% more CPU per group "
+        "(bench/RESULTS.md, issue 29).",
     )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(
