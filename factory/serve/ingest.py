@@ -217,7 +217,7 @@ class GroupCommitter:
             chunk = self.next_chunk
             self.next_chunk += 1
             name = shard_name(self.producer, chunk)
-            existed = name in self.store.committed(self.run_id)  # the log's new end only: a stat and a short read
+            existed = self.store.record(self.run_id, name) is not None  # the log's new end only, no copy of every record
             try:
                 record = await asyncio.to_thread(
                     self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
