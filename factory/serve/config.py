@@ -45,6 +45,12 @@ class ServeConfig(FactoryConfig):
         10.0, ge=0, description="Longest a commit waits for posts whose bodies are being decoded at that moment, to share "
         "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
+    commit_concurrency: int = Field(
+        1, ge=1, description="Shards of posted groups being written at once. 1 (default): one writer; posts that "
+        "arrive meanwhile share the next shard. 2: they start the next one at once (the commit log's appends stay "
+        "one at a time): shorter waits where CPU is idle, but ~1/3 smaller shards and 5-12% more CPU per group "
+        "(bench/RESULTS.md, issue 29).",
+    )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(
         32.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches (a batch reads a few "

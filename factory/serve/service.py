@@ -186,6 +186,7 @@ class BatchService:
             max_groups=self.config.commit_max_groups,
             row_group_groups=self.config.ingest_row_group_groups,
             linger_s=self.config.commit_linger_ms / 1000,
+            concurrency=self.config.commit_concurrency,
         )
         committer.start()
         self.committer = committer
@@ -315,7 +316,8 @@ class BatchService:
             self.queue.add(source, row, size, lane, version)
 
     def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
-        if (record.run_id, record.shard) in self._known:
+        if (record.run_id, record.shard) in self._known:  # the follower's scan saw the commit log first
+            self._count_ingested(rows.column("env").to_pylist())
             return
         columns = rows.select(["group_id", "group_size", "env", "env_id", "policy_version"]).to_pydict()
         ids = columns["group_id"]
@@ -339,9 +341,17 @@ class BatchService:
         ):
             key = ("id", env_id) if env_id is not None else ("name", env)
             self.queue.add(source, row, size, self.queue.lane(key), version)
-        self.ingested.update(columns["env"])
-        self.state.put(ingested=dict(self.ingested))
+        self._count_ingested(columns["env"])
         self._kick_prefetch()
+
+    def _count_ingested(self, envs: list[str]) -> None:
+        self.ingested.update(envs)
+        self.state.put(ingested=dict(self.ingested))
+
+    def env_name(self, env_id: int | None) -> str:
+        """The name rows of a posted group get when it names no env: its registered env's, else 'external'
+        (any thread: called while bodies are decoded)."""
+        return self._env_name(env_id)
 
     def _env_name(self, env_id: int | None) -> str:
         env = self.envs[env_id] if env_id is not None and 0 <= env_id < len(self.envs) else None
@@ -399,8 +409,11 @@ class BatchService:
         if prebuilt:
             rows = parsed.rows
             parsed.rows = None
+            final = parsed.resolved and len(keep) == rows.num_rows  # built in the decoding thread as they are stored
 
             def build() -> pa.RecordBatch | None:
+                if final:
+                    return rows
                 return stamp(rows, keep, envs, versions) if keep else None
         else:
             box = [[parsed.groups[i] for i in keep]]

@@ -29,6 +29,7 @@ import array
 import itertools
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -100,7 +101,10 @@ class WireGroups:
     versions: list[int | None] = field(default_factory=list)
     """Policy versions the client gave (None: the service's current step)."""
     rows: pa.RecordBatch | None = None
-    """With `build=True`: every group as GROUP_SCHEMA rows (env '' and version 0 where not given); `groups` is then empty."""
+    """With `build=True`: every group as GROUP_SCHEMA rows (env '' and version 0 where not given, unless resolved
+    by `env_name` and `version`); `groups` is then empty."""
+    resolved: bool = False
+    """Whether `rows` carry the env names and policy versions the service resolves (decode_groups' `env_name`)."""
 
 
 def _problem(kind: str, loc: list[Any], msg: str) -> dict[str, Any]:
@@ -155,7 +159,8 @@ def _json_len(raw: msgspec.Raw) -> int | None:
 
 def decode_groups(
     body: bytes, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False,
-    run_id: str = "", vocab_size: int | None = None,
+    run_id: str = "", vocab_size: int | None = None, env_name: Callable[[int | None], str] | None = None,
+    version: int = 0,
 ) -> WireGroups:
     """Decode and check a /scored_data (one object) or /scored_data_list (a list) body; raises WireError.
 
@@ -164,9 +169,12 @@ def decode_groups(
     first tries the native path (numeric lists parsed straight into buffers, without the GIL); a body it does
     not take (anything but plain numbers, or a problem to report) goes the general way, which decides.
     `strict` bodies always go the general way, with msgspec's strict decoders and the value checks.
+    With `env_name` (env_id -> name), rows of groups that name no env get that name, and groups without a
+    policy_version get `version`: the rows are then final (`resolved`), built once, in the caller's thread.
     """
     if build and not strict and numjson.available():
-        parsed = _decode_native(body, many=many, strict=strict, idempotency_key=idempotency_key, run_id=run_id)
+        parsed = _decode_native(body, many=many, strict=strict, idempotency_key=idempotency_key, run_id=run_id,
+                                env_name=env_name, version=version)
         if parsed is not None:
             return parsed
     try:
@@ -186,10 +194,22 @@ def decode_groups(
         _check_values(groups, many=many, vocab_size=vocab_size)
     parsed = _checked(groups, shapes, many=many, strict=strict, idempotency_key=idempotency_key)
     if build:
-        parsed.rows = to_record_batch(groups, parsed.ids, run_id=run_id, envs=[g.env or "" for g in groups],
-                                      versions=[g.policy_version or 0 for g in groups])
-        parsed.groups = []
+        parsed.rows = to_record_batch(groups, parsed.ids, run_id=run_id, envs=_envs(groups, env_name),
+                                      versions=_versions(groups, env_name, version))
+        parsed.groups, parsed.resolved = [], env_name is not None
     return parsed
+
+
+def _envs(groups: list[Any], env_name: Callable[[int | None], str] | None) -> list[str]:
+    if env_name is None:
+        return [g.env or "" for g in groups]
+    return [g.env or env_name(g.env_id) for g in groups]
+
+
+def _versions(groups: list[Any], env_name: Callable[[int | None], str] | None, version: int) -> list[int]:
+    if env_name is None:
+        return [g.policy_version or 0 for g in groups]
+    return [g.policy_version if g.policy_version is not None else version for g in groups]
 
 
 def _key_before_error(body: bytes, message: str) -> list[Any]:
@@ -337,7 +357,8 @@ _NATIVE_INTEGERS = {"tokens": True, "masks": True, "advantages": False, "ref_log
 _Parsed = tuple[np.ndarray, np.ndarray]
 
 
-def _decode_native(body: bytes, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str) -> WireGroups | None:
+def _decode_native(body: bytes, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str,
+                   env_name: Callable[[int | None], str] | None = None, version: int = 0) -> WireGroups | None:
     """decode_groups(build=True) with numjson, or None where the general path must decide."""
     read = numjson.read_body(body, many)
     if read is None:
@@ -376,11 +397,11 @@ def _decode_native(body: bytes, *, many: bool, strict: bool, idempotency_key: st
     try:
         lists = {name: _native_list_2d([fields[name] for fields in parsed_groups], pa.int32() if integers else pa.float64())
                  for name, integers in _NATIVE_INTEGERS.items()}
-        parsed.rows = _build_rows(groups, parsed.ids, parsed.sizes, lists, run_id=run_id,
-                                  envs=[g.env or "" for g in groups], versions=[g.policy_version or 0 for g in groups])
+        parsed.rows = _build_rows(groups, parsed.ids, parsed.sizes, lists, run_id=run_id, envs=_envs(groups, env_name),
+                                  versions=_versions(groups, env_name, version))
     except (pa.ArrowInvalid, OverflowError, TypeError):
         return None
-    parsed.groups = []
+    parsed.groups, parsed.resolved = [], env_name is not None
     return parsed
 
 

@@ -100,3 +100,50 @@ def test_linger_is_bounded(tmp_path):
     waited, shards = asyncio.run(scenario())
     assert 0.15 <= waited < 2.0
     assert shards == [1, 1]
+
+
+def test_a_second_writer_commits_while_the_first_is_in_flight(tmp_path):
+    """concurrency=2: a post that arrives while a shard is being written starts its own commit at once; every post
+    is answered once its own shard is committed, and the log holds both records."""
+    import threading
+
+    store = ShardStore(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+    commit = store.commit
+
+    def slow_commit(*args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        started.set()
+        release.wait(5.0)
+        try:
+            return commit(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    store.commit = slow_commit
+
+    async def scenario() -> list[int]:
+        shards: list[int] = []
+        committer = GroupCommitter(store, "api", "api", lambda record, rows: shards.append(rows.num_rows), concurrency=2)
+        committer.start()
+        first = asyncio.create_task(committer.submit(_rows(1, 1)))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(committer.submit(_rows(2, 2)))
+        for _ in range(1000):  # bounded: with one writer the second commit would never start here
+            if most[0] >= 2:
+                break
+            await asyncio.sleep(0.005)
+        release.set()
+        await asyncio.gather(first, second)
+        await committer.stop()
+        return sorted(shards)
+
+    assert asyncio.run(scenario()) == [1, 2]
+    assert most[0] == 2
+    assert sorted(record.rows for record in store.committed("api").values()) == [1, 2]
