@@ -1,6 +1,7 @@
 """Where a warm datagen flow call's CPU goes beyond the plain worker's: per thread, per function, per API call.
 
-    OMP_NUM_THREADS=1 python -m bench.datagen.flow_profile --groups 1000 --calls 3
+    OMP_NUM_THREADS=1 python -m bench.datagen.flow_profile --groups 1000 --calls 3 --plain --chunk-items 250,1000
+    python -m bench.datagen.flow_profile --smoke
     python -m bench.datagen.flow_profile --groups 1000 --calls 3 --cprofile 40   # plus cProfile over every thread
 
 One process, one Prefect server, the instant server; the flow (`intern_bootcamp_datagen`, inline scoring, thread
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups", type=int, default=1000)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 32 groups, 2 calls (checks that it runs)")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print cProfile's top N (all threads)")
     parser.add_argument("--dump", default="", help="write the combined cProfile stats to this file (pstats)")
     parser.add_argument("--sort", default="tottime", help="pstats sort keys, comma-separated: one table each")
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-items", default="",
                         help="comma-separated chunk sizes to compare, interleaved per call (default: groups/4)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.groups, args.calls = min(args.groups, 32), 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     extra: dict[str, Any] = {}
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             by_kind: Counter[str] = Counter()
             for name, cpu in after.items():
                 by_kind[thread_kind(name)] += cpu - before.get(name, 0.0)
-            print(f"call {call} (chunk_items {chunk_items}): {result['process CPU us/group']:.0f} us/group process CPU, "
+            print(f"call {call} (chunk_items {chunk_items}): "
+                  f"{result['process CPU us/group']:.0f} us/group process CPU, "
                   f"{result['groups/s']:.1f} groups/s; rows {ROWS_WRITTEN[-1]['rows']} "
                   f"sha {ROWS_WRITTEN[-1]['sha256'][:16]}")
             live = sum(by_kind.values())
