@@ -183,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"   Prefect API requests: {sum(API_CALLS.values())}")
             for what, n in API_CALLS.most_common(12):
                 print(f"      {n:5d}  {what}")
+    import shutil
     import statistics
+
+    shutil.rmtree(work, ignore_errors=True)  # the stores and the Prefect home of this run
 
     print(f"\nwarm calls, {args.groups} groups of {args.group_size} (median over {args.calls - 1} call(s) each)")
     print("chunk_items  chunks  process CPU us/group  groups/s (whole call)  groups/s (pipeline)  s per chunk  "
