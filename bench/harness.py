@@ -81,10 +81,14 @@ class Comparison:
         """Per-round ratios side/baseline, or side/`versus` (rounds where that side measured 0 are skipped).
 
         A metric the baseline did not measure is compared with the baseline's first
-        metric (e.g. "groups/s, pipeline only" against the raw loop's "groups/s").
+        metric when both are in the same unit, the text before the first comma (e.g.
+        "groups/s, pipeline only" against the raw loop's "groups/s"); a metric in another
+        unit ("process CPU us/group") has no ratio (empty list).
         """
         base_values = self.values[versus or self.baseline]
         base_metric = metric if metric in base_values else next(iter(base_values))
+        if metric.split(",")[0].strip() != base_metric.split(",")[0].strip():
+            return []
         pairs = zip(self.values[side][metric], base_values[base_metric])
         return [value / base for value, base in pairs if base]
 
@@ -238,8 +242,9 @@ def comparison_rows(result: Comparison) -> list[list[object]]:
             if metric not in result.values[side]:
                 continue
             low, high = result.spread(side, metric)
-            rows.append([side, metric, result.median(side, metric), f"{_ratio(result.median_ratio(side, metric))}x",
-                         f"{_ratio(low)}-{_ratio(high)}x", len(result.values[side][metric])])
+            median = result.median_ratio(side, metric)
+            ratio, spread = ("-", "-") if median != median else (f"{_ratio(median)}x", f"{_ratio(low)}-{_ratio(high)}x")
+            rows.append([side, metric, result.median(side, metric), ratio, spread, len(result.values[side][metric])])
     return rows
 
 

@@ -120,6 +120,33 @@ class ChunkCommitter:
         return moves
 
 
+class Throttle:
+    """At most one report per `every_s` seconds: `due()` says whether to send one now; `held_back()` whether the
+    latest was skipped (send it at the end). The first report is always due."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._last: float | None = None
+        self._held = False
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self._last is None or now - self._last >= self.every_s:
+            self._last, self._held = now, False
+            return True
+        self._held = True
+        return False
+
+    def held_back(self) -> bool:
+        held, self._held = self._held, False
+        return held
+
+
+PROGRESS_ARTIFACT_EVERY_S = 5.0
+"""The progress artifact is updated at most this often (each update is a Prefect API call from the flow body; the
+progress log line still comes with every chunk), and once more at the end."""
+
+
 def artifact_key(run_id: str, what: str) -> str:
     return f"{run_id}-{what}".lower().replace("_", "-")
 
@@ -154,6 +181,7 @@ class DatagenRun:
                                         sampler=self.sampler, write_shard=write_shard, flow_run_id=self.ops.own_run,
                                         backpressure=self.backpressure)
         self.window = ChunksInFlight(d.chunks_in_flight, self.sampler)
+        self.progress_throttle = Throttle(PROGRESS_ARTIFACT_EVERY_S)
         self.group_options = {
             "group_size": cfg.env.group_size, "max_token_length": cfg.env.max_token_length,
             "ensure_scores_are_not_same": cfg.env.ensure_scores_are_not_same, "run_id": d.run_id,
@@ -228,7 +256,8 @@ class DatagenRun:
             self.logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk,
                              d.target_groups)
             return
-        best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())  # not fatal in an outage
+        if self.progress_throttle.due():
+            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())  # not fatal in an outage
         self.logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
         if self.curriculum is not None:
             for move in moves:
@@ -274,6 +303,11 @@ class DatagenRun:
         A target missed within `max_items`: Failed, with the true numbers (run_datagen does not retry it).
         Otherwise the run completes with its summary.
         """
+        reached = self.ops.progress is not None and self.ops.progress.target_reached  # the artifact says 100% then
+        if self.progress_throttle.held_back() and not reached:
+            from prefect.artifacts import update_progress_artifact
+
+            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
         summary = self.summary()
         if self.stopping:
             return self.ops.stopped(summary, abandoned=self.window.chunks())

@@ -36,3 +36,27 @@ def test_raw_httpx_client_counts_every_choice_of_every_call():
                                             concurrency=4)
 
     assert asyncio.run(scenario())["choices"] == 40
+
+
+def test_the_raw_limit_is_the_fastest_client_in_one_process():
+    """The flow is one worker process: a faster 2-process client row is printed but is not the limit it is held to."""
+    from bench.datagen.run import fastest_one_process
+
+    rows = [{"kind": "sockets", "procs": 1, "server_workers": 1, "groups_per_s": 2300.0},
+            {"kind": "sockets", "procs": 2, "server_workers": 2, "groups_per_s": 2650.0},
+            {"kind": "aiohttp", "procs": 1, "server_workers": 2, "groups_per_s": 1100.0}]
+    assert fastest_one_process(rows) == rows[0]
+
+
+def test_the_per_round_table_gives_the_flow_to_raw_and_to_atropos_ratios(capsys):
+    from bench import harness
+    from bench.datagen.run import INLINE, print_rounds
+
+    result = harness.Comparison("datagen", "raw", ["raw", INLINE, "atroposlib 0.4.0 process mode"], values={
+        "raw": {"groups/s": [2000.0, 1000.0]},
+        INLINE: {"groups/s": [500.0, 200.0], "groups/s, pipeline only": [600.0, 300.0]},
+        "atroposlib 0.4.0 process mode": {"groups/s, pipeline only": [40.0, 30.0]}})
+    print_rounds(result)
+    out = capsys.readouterr().out
+    assert "0.250x" in out and "0.200x" in out  # whole call / raw, per round
+    assert "0.300x" in out and "15.00x" in out and "10.00x" in out  # pipeline / raw, pipeline / Atropos

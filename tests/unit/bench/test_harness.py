@@ -120,3 +120,15 @@ def test_ratios_to_another_side_and_small_ratios_keep_three_decimals():
     result = compare("demo", [Side("raw", lambda: 1000.0), Side("ours", lambda: 60.0), Side("theirs", lambda: 40.0)])
     assert result.median_ratio("ours", "value", versus="theirs") == 1.5
     assert harness.comparison_rows(result)[1][3:5] == ["0.060x", "0.060-0.060x"]
+
+
+def test_a_metric_in_another_unit_than_the_baseline_gets_no_ratio():
+    """A flow's CPU per group divided by the raw loop's groups/s is no ratio at all: the table shows '-'."""
+    result = compare("demo", [Side("raw", lambda: {"groups/s": 1000.0}),
+                              Side("flow", lambda: {"groups/s": 250.0, "groups/s, pipeline only": 300.0,
+                                                    "process CPU us/group": 900.0})])
+    assert set(result.ratios("flow", "groups/s, pipeline only")) == {0.3}
+    assert result.ratios("flow", "process CPU us/group") == []
+    rows = {(row[0], row[1]): row[3:5] for row in harness.comparison_rows(result)}
+    assert rows[("flow", "process CPU us/group")] == ["-", "-"]
+    assert rows[("flow", "groups/s")] == ["0.25x", "0.25-0.25x"]

@@ -96,3 +96,33 @@ def test_the_datagen_modules_import_downward_only():
     for path in (REPO / "factory/datagen").glob("*.py"):
         assert not {m for m in imports_of(path) if m.startswith("flows")}, path
     assert not {m for m in imports_of(REPO / "flows/datagen_cli.py") if m.startswith("flows.datagen")}
+
+
+def test_the_progress_throttle_sends_the_first_report_then_at_most_one_per_interval():
+    from factory.datagen.run import Throttle
+
+    now = [100.0]
+    throttle = Throttle(5.0, clock=lambda: now[0])
+    assert throttle.due()  # the first chunk's report goes out at once
+    now[0] += 1.0
+    assert not throttle.due()  # held back ...
+    assert throttle.held_back() and not throttle.held_back()  # ... and said once, for the final report
+    now[0] += 4.0
+    assert throttle.due() and not throttle.held_back()
+    now[0] += 0.5
+    assert not throttle.due()
+    now[0] += 5.0
+    assert throttle.due() and not throttle.held_back()  # a report sent after the held one clears it
+
+
+def test_the_datagen_tasks_hash_no_inputs_for_a_cache_key():
+    """Prefect's default cache policy cloudpickles a task's inputs (a whole chunk of groups) for a key nobody reads."""
+    from prefect.cache_policies import NO_CACHE
+
+    from tasks.generate import generate_task
+    from tasks.group import group_task
+    from tasks.score import score_task
+    from tasks.shards import write_shard_task
+
+    for task in (generate_task, score_task, group_task, write_shard_task):
+        assert task.cache_policy is NO_CACHE, task.name

@@ -204,3 +204,26 @@ def test_the_judge_endpoint_must_answer(fake_server):
     assert str(error.value).startswith(f"preflight: env.judge.base_url='{dead}': the judge endpoint is not reachable")
     with pytest.raises(PreflightError, match="env.judge.base_url=None: this env scores with a judge"):
         check_judge(EnvWith(judge_block=None, judge=None))
+
+
+def test_the_endpoint_check_reuses_one_verifying_tls_context(monkeypatch):
+    """httpx loads the CA bundle for every new Client (~25 ms of CPU); preflight runs on every flow call."""
+    import ssl
+
+    import httpx
+
+    from factory import preflight
+
+    seen = []
+    real = httpx.Client
+
+    def client(*args, **kwargs):
+        seen.append(kwargs.get("verify"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "Client", client)
+    for _ in range(2):
+        with pytest.raises(preflight.PreflightError):  # nothing listens there: the check still fails as it did
+            preflight.check_endpoint("http://127.0.0.1:9/v1", server_type="openai", timeout=0.5)
+    assert len(seen) == 2 and seen[0] is seen[1] is preflight.tls()
+    assert isinstance(seen[0], ssl.SSLContext) and seen[0].verify_mode == ssl.CERT_REQUIRED

@@ -1,0 +1,226 @@
+"""Where a warm datagen flow call's CPU goes beyond the plain worker's: per thread, per function, per API call.
+
+    OMP_NUM_THREADS=1 python -m bench.datagen.flow_profile --groups 1000 --calls 3 --plain --chunk-items 250,1000
+    python -m bench.datagen.flow_profile --smoke
+    python -m bench.datagen.flow_profile --groups 1000 --calls 3 --cprofile 40   # plus cProfile over every thread
+
+One process, one Prefect server, the instant server; the flow (`intern_bootcamp_datagen`, inline scoring, thread
+pool) is called `--calls` times and the first call (imports, tokenizer, Prefect engine start) is left out. For
+each warm call: the process CPU per group, each thread's CPU (main thread, task threads, Prefect's own loops),
+and the Prefect API requests it made, by method and path. `--cprofile N` profiles every thread (a profiler is
+started in each new thread), so its absolute times are inflated; read the shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+
+PROFILES: list[tuple[str, cProfile.Profile]] = []
+
+
+def _start_profile(*_: Any) -> None:
+    # CPU of the thread, not wall time (BENCH_PROFILE_WALL=1: wall time, to see where a call waits)
+    profile = cProfile.Profile(time.perf_counter if os.environ.get("BENCH_PROFILE_WALL") else time.thread_time)
+    PROFILES.append((thread_kind(threading.current_thread().name), profile))
+    profile.enable()  # replaces this bootstrap hook in this thread
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of every live thread, keyed by name and ident."""
+    out = {}
+    for thread in threading.enumerate():
+        try:
+            out[f"{thread.name}#{thread.ident}"] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, TypeError):
+            pass
+    return out
+
+
+def thread_kind(name: str) -> str:
+    name = name.split("#")[0]
+    if name == "MainThread":
+        return "main (flow body, commits)"
+    if "ThreadPoolTaskRunner" in name or name.startswith("ThreadPoolExecutor"):
+        return "task threads (task bodies + engine)"
+    return f"other: {name.rstrip('0123456789-_')}"
+
+
+API_CALLS: Counter[str] = Counter()
+PLAIN: dict[int, list[float]] = {}
+GC: Counter[str] = Counter()
+_gc_started: list[float] = []
+
+
+def _gc_clock(phase: str, info: dict[str, Any]) -> None:
+    """Thread CPU and count of the garbage collector's passes, by generation."""
+    if phase == "start":
+        _gc_started.append(time.thread_time())
+    elif _gc_started:
+        GC[f"gen{info['generation']} s"] += time.thread_time() - _gc_started.pop()
+        GC[f"gen{info['generation']} n"] += 1
+
+
+def count_api_calls() -> None:
+    """Count every request Prefect's HTTP clients send (method + path, ids collapsed)."""
+    import re
+
+    from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
+
+    def key(request: Any) -> str:
+        path = re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}", "<id>", request.url.path)
+        return f"{request.method} {path}"
+
+    original_async, original_sync = PrefectHttpxAsyncClient.send, PrefectHttpxSyncClient.send
+
+    async def send_async(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        API_CALLS[key(request)] += 1
+        return await original_async(self, request, *args, **kwargs)
+
+    def send_sync(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        API_CALLS[key(request)] += 1
+        return original_sync(self, request, *args, **kwargs)
+
+    PrefectHttpxAsyncClient.send, PrefectHttpxSyncClient.send = send_async, send_sync
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=1000)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 32 groups, 2 calls (checks that it runs)")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print cProfile's top N (all threads)")
+    parser.add_argument("--dump", default="", help="write the combined cProfile stats to this file (pstats)")
+    parser.add_argument("--sort", default="tottime", help="pstats sort keys, comma-separated: one table each")
+    parser.add_argument("--threads", default="", help="only threads whose kind contains this (e.g. main, task)")
+    parser.add_argument("--datagen", default="", help="extra datagen settings, k=v,k=v (e.g. chunk_items=500)")
+    parser.add_argument("--plain", action="store_true",
+                        help="also run the plain worker (bench.datagen.stages, no Prefect) before each flow call "
+                             "on the same groups: orchestration = flow CPU - plain CPU, warm, in one process")
+    parser.add_argument("--refreeze", action="store_true",
+                        help="experiment: gc.collect(); gc.freeze() after the first (cold) flow call")
+    parser.add_argument("--gc-threshold", type=int, default=0, help="experiment: gc.set_threshold(N, 10, 10)")
+    parser.add_argument("--chunk-items", default="",
+                        help="comma-separated chunk sizes to compare, interleaved per call (default: groups/4)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.groups, args.calls = min(args.groups, 32), 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    extra: dict[str, Any] = {}
+    for pair in filter(None, args.datagen.split(",")):
+        k, v = pair.split("=", 1)
+        extra[k] = int(v) if v.isdigit() else v
+    if args.cprofile:
+        threading.setprofile(_start_profile)
+        _start_profile()
+    from bench.datagen.run import ROWS_WRITTEN, InstantServer, factory_flow, tiny_policy
+
+    work = Path(tempfile.mkdtemp(prefix="bench-flowprof-"))
+    with harness.prefect_server(work / "prefect"), InstantServer(1) as server:
+        count_api_calls()
+        import gc
+
+        gc.callbacks.append(_gc_clock)
+        if args.gc_threshold:
+            gc.set_threshold(args.gc_threshold, 10, 10)
+        tokenizer = tiny_policy()
+        variants = [int(c) for c in args.chunk_items.split(",") if c] or [max(args.groups // 4, 1)]
+        per_variant: dict[int, list[tuple[float, float, float]]] = {c: [] for c in variants}
+        for call in range(args.calls * len(variants)):
+            chunk_items = variants[call % len(variants)]
+            if args.plain:
+                from bench.datagen import stages
+
+                plain = stages.plain_worker(server.base_url, args.groups, args.group_size, chunk_items,
+                                            str(tokenizer), work / f"plain-{call}", stages.StageClock())
+                plain_us = 1e6 * plain["process_cpu_s"] / args.groups
+                print(f"plain worker (chunk_items {chunk_items}): {plain_us:.0f} us/group process CPU, "
+                      f"sha {plain['content_sha256'][:16]}")
+                if call >= len(variants):
+                    PLAIN.setdefault(chunk_items, []).append(plain_us)
+            if call == len(variants) and args.refreeze:
+                gc.collect()
+                gc.freeze()
+            if call == len(variants):
+                for _, profile in PROFILES:
+                    profile.clear()
+            API_CALLS.clear()
+            GC.clear()
+            before = thread_cpu()
+            result = factory_flow(server.base_url, args.groups, args.group_size, tokenizer, work / "store", "inline",
+                                  score_mode="inline", **{"chunk_items": chunk_items, **extra})
+            if call >= len(variants):  # the first call of each is start-up (imports, tokenizer, engine)
+                per_variant[chunk_items].append((result["process CPU us/group"], result["groups/s"],
+                                                 result["groups/s, pipeline only"]))
+            after = thread_cpu()
+            by_kind: Counter[str] = Counter()
+            for name, cpu in after.items():
+                by_kind[thread_kind(name)] += cpu - before.get(name, 0.0)
+            print(f"call {call} (chunk_items {chunk_items}): "
+                  f"{result['process CPU us/group']:.0f} us/group process CPU, "
+                  f"{result['groups/s']:.1f} groups/s; rows {ROWS_WRITTEN[-1]['rows']} "
+                  f"sha {ROWS_WRITTEN[-1]['sha256'][:16]}")
+            live = sum(by_kind.values())
+            by_kind["threads that ended (task threads: bodies + engine)"] = (
+                result["process CPU us/group"] * args.groups / 1e6 - live)
+            for kind, cpu in by_kind.most_common():
+                print(f"   {kind:45s} {1e6 * cpu / args.groups:8.0f} us/group  ({cpu:.3f} s)")
+            print("   garbage collector: " + ", ".join(f"gen{g}: {GC[f'gen{g} n']} passes {GC[f'gen{g} s']:.3f} s"
+                                                      for g in range(3)))
+            print(f"   Prefect API requests: {sum(API_CALLS.values())}")
+            for what, n in API_CALLS.most_common(12):
+                print(f"      {n:5d}  {what}")
+    import shutil
+    import statistics
+
+    shutil.rmtree(work, ignore_errors=True)  # the stores and the Prefect home of this run
+
+    print(f"\nwarm calls, {args.groups} groups of {args.group_size} (median over {args.calls - 1} call(s) each)")
+    print("chunk_items  chunks  process CPU us/group  groups/s (whole call)  groups/s (pipeline)  s per chunk  "
+          "plain us/group  orchestration (flow - plain) / flow, per call")
+    for chunk_items, rows in per_variant.items():
+        if rows:
+            cpu, rate, pipeline = (statistics.median(col) for col in zip(*rows))
+            plain = PLAIN.get(chunk_items, [])
+            shares = ", ".join(f"{100 * (1 - p / row[0]):.0f}%" for p, row in zip(plain, rows))
+            print(f"{chunk_items:11d}  {-(-args.groups // chunk_items):6d}  {cpu:20.0f}  {rate:21.1f}  {pipeline:19.1f}"
+                  f"  {min(chunk_items, args.groups) / pipeline:11.2f}"
+                  f"  {statistics.median(plain) if plain else float('nan'):14.0f}  {shares}")
+    if args.cprofile:
+        for _, profile in PROFILES:
+            profile.disable()
+        stream = io.StringIO()
+        stats = None
+        for kind, profile in PROFILES:
+            if args.threads not in kind:
+                continue
+            try:
+                if stats is None:
+                    stats = pstats.Stats(profile, stream=stream)
+                else:
+                    stats.add(profile)
+            except TypeError:  # a thread that never ran a profiled call
+                pass
+        assert stats is not None
+        if args.dump:
+            stats.dump_stats(args.dump)
+        for sort in args.sort.split(","):
+            stats.sort_stats(sort).print_stats(args.cprofile)
+        print(stream.getvalue())
+
+
+if __name__ == "__main__":
+    main()
