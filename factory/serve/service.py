@@ -351,9 +351,6 @@ class BatchService:
     def env_name(self, env_id: int | None) -> str:
         """The name rows of a posted group get when it names no env: its registered env's, else 'external'
         (any thread: called while bodies are decoded)."""
-        return self._env_name(env_id)
-
-    def _env_name(self, env_id: int | None) -> str:
         env = self.envs[env_id] if env_id is not None and 0 <= env_id < len(self.envs) else None
         return env["desired_name"] if env else "external"
 
@@ -370,7 +367,7 @@ class BatchService:
         groups = [group for group, new in zip(groups, fresh) if new is None]
         for group in groups:
             if not group.env:
-                group.env = self._env_name(group.env_id)
+                group.env = self.env_name(group.env_id)
             group.run_id = self.config.ingest_run
             if "policy_version" not in group.model_fields_set:
                 group.policy_version = self.step
@@ -401,7 +398,7 @@ class BatchService:
         await self.ready_for_posts()
         claims, future, mine = self._claim([i if known else None for i, known in zip(parsed.ids, parsed.identified)])
         keep = [index for index, claim in enumerate(claims) if claim is None]
-        envs = [parsed.envs[i] or self._env_name(parsed.env_ids[i]) for i in keep]
+        envs = [parsed.envs[i] or self.env_name(parsed.env_ids[i]) for i in keep]
         step = self.step
         versions = [parsed.versions[i] if parsed.versions[i] is not None else step for i in keep]
         unaligned = Counter(name for i in keep for name in parsed.unaligned_by_group[i])
