@@ -116,6 +116,15 @@ class _StandIn(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def doubling_env_script(tmp_path: Path) -> Path:
+    """ENV_SCRIPT written to tmp_path: its first process dies after two groups (marker file `crashed`), and every
+    life appends its SLURM job id (or "none") to `where`."""
+    script = tmp_path / "doubling_env.py"
+    script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
+                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
+    return script
+
+
 @pytest.fixture
 def stand_in() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
@@ -167,9 +176,7 @@ def test_atropos_env_groups_land_once_through_a_crash_and_the_flow_completes(
     from flows.atropos_env import atropos_env_flow
 
     api_url, store = run_api
-    script = tmp_path / "doubling_env.py"
-    script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
-                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
+    script = doubling_env_script(tmp_path)
     target = 5
     env = {"script": str(script), "python": str(atropos_python), "api_url": api_url, "inference_url": stand_in,
            "model_name": "stand-in", "env_name": "doubling", "target_groups": target, "max_runtime_s": 80,
@@ -223,9 +230,7 @@ def test_atropos_env_process_runs_in_a_slurm_job(slurm, prefect_server, atropos_
     SlurmClusterBlock(job_name=f"factory-test-atropos-{os.getpid()}", cores=1, memory="2GB", walltime="00:10:00",
                       log_dir=str(tmp_path / "logs"), environment={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
                       min_jobs=1, max_jobs=1).save("test-atropos-env", overwrite=True)
-    script = tmp_path / "doubling_env.py"
-    script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
-                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
+    script = doubling_env_script(tmp_path)
     env = {"script": str(script), "python": str(atropos_python), "api_url": api_url, "inference_url": stand_in,
            "model_name": "stand-in", "env_name": "doubling", "target_groups": 4, "max_runtime_s": 80,
            "max_restarts": 2, "poll_s": 0.3, "stop_grace_s": 5, "log_path": str(tmp_path / "env.log"),
@@ -254,9 +259,7 @@ def test_atropos_env_deployment_run_lands_the_envs_groups(prefect_server, atropo
     shown = prefect("deployment", "inspect", "atropos-env/atropos-env", env=environ, cwd=work)
     assert "flows.atropos_env:atropos_env_flow" in shown.stdout and "deployments/atropos_env.yaml" in shown.stdout
 
-    script = tmp_path / "doubling_env.py"
-    script.write_text(ENV_SCRIPT.format(tokenizer=str(REPO / "models" / "starter-policy"),
-                                        crash_marker=str(tmp_path / "crashed"), where=str(tmp_path / "where")))
+    script = doubling_env_script(tmp_path)
     target = 3
     # Only what a user gives per run; the rest (args, restarts) merges in from the deployment's config file.
     env = {"script": str(script), "python": str(atropos_python), "api_url": api_url, "inference_url": stand_in,
