@@ -91,7 +91,13 @@ def check_model_ref(setting: str, value: str, *, needs: tuple[str, ...] = TOKENI
 
 
 def check_store_writable(setting: str, root: str) -> None:
-    """The store root can be created and written (a temp file is written, fsynced and removed)."""
+    """The store root can be created and written (a temp file is written, fsynced and removed); for an object store
+    URL, the bucket exists and a probe object can be written and removed (a StoreError names what is wrong)."""
+    if "://" in root and not root.startswith("file://"):
+        from factory.store_object import open_store
+
+        open_store(root).check_writable()
+        return
     path = Path(root)
     try:
         path.mkdir(parents=True, exist_ok=True)

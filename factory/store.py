@@ -446,6 +446,9 @@ class ShardStore:
         self._recovered: set[str] = set()
         """Runs whose interrupted commits this process has finished (once, at its first commit)."""
 
+    filesystem = None
+    """The pyarrow filesystem shard paths are read through: None, they are local paths (see `store_object`)."""
+
     # ---- paths ----
     def run_dir(self, run_id: str) -> Path:
         _check_name("run_id", run_id)
@@ -453,6 +456,21 @@ class ShardStore:
 
     def shards_dir(self, run_id: str) -> Path:
         return self.run_dir(run_id) / "shards"
+
+    def shard_path(self, run_id: str, name: str) -> Path:
+        """Where the file `name` (a shard, or a compacted file: `CommitRecord.physical`) of a run lives."""
+        return self.shards_dir(run_id) / name
+
+    @staticmethod
+    def file_size(path: Path) -> int | None:
+        """Bytes of the file at `path`, or None when it does not exist."""
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return None
+
+    def check(self) -> None:
+        """Nothing to check up front on a local store (an object store checks its bucket here)."""
 
     def commit_log(self, run_id: str) -> Path:
         return self.run_dir(run_id) / "commits.jsonl"

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import replace
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace as dataclass_replace
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -44,6 +47,33 @@ OBJECT_SCHEMES = ("s3",)
 
 def is_store_url(root: Any) -> bool:
     return isinstance(root, str) and urlsplit(root).scheme in OBJECT_SCHEMES
+
+
+class StoreReader(Protocol):
+    """What serving (run-api and its follower), export and the viewer use of a store; `ShardStore` (local or shared
+    path) and `ObjectShardStore` (s3://) both provide it, so call sites take whichever `open_store` returns.
+
+    Shard locations (`shard_path`, `locate`) are read with pyarrow through `filesystem` (None: a local Path)."""
+
+    root: Any
+    problems: list[Any]
+
+    @property
+    def filesystem(self) -> pafs.FileSystem | None: ...
+    def check(self) -> None: ...
+    def runs(self) -> list[str]: ...
+    def committed(self, run_id: str) -> dict[str, CommitRecord]: ...
+    def record(self, run_id: str, shard: str) -> CommitRecord | None: ...
+    def changes(self, run_id: str, cursor: Any = None) -> tuple[Any, list[CommitRecord]]: ...
+    def locate(self, run_id: str, shard: str) -> tuple[Any, int, int] | None: ...
+    def shard_path(self, run_id: str, name: str) -> Any: ...
+    def file_size(self, path: Any) -> int | None: ...
+    def finish_commits(self, run_id: str) -> list[str]: ...
+    def count(self, run_id: str) -> int: ...
+    def iter_batches(self, run_id: str, *, columns: list[str] | None = None, batch_size: int = ...) -> Iterator[pa.RecordBatch]: ...
+    def iter_groups(self, run_id: str, *, validate: bool = False) -> Iterator[ScoredGroup]: ...
+    def commit(self, run_id: str, producer: str, chunk: int, groups: Any, *, replace: bool = False,
+               row_group_groups: int = ...) -> CommitRecord: ...
 
 
 def open_store(root: str | os.PathLike[str]) -> ShardStore | ObjectShardStore:
@@ -92,6 +122,48 @@ class ObjectShardStore:
             self.fs, self.base = pafs.FileSystem.from_uri(url)
             self.base = self.base.rstrip("/")
         self.problems: list[Any] = []
+        self.bucket = parts.netloc
+        self._checked = False
+        self._runs: dict[str, _RunRecords] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def root(self) -> str:
+        """The store URL (what messages name; a local store's `root` is its directory)."""
+        return self.url
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        """The pyarrow filesystem that `shard_path`s are read through (pass as `filesystem=` to pyarrow)."""
+        return self.fs
+
+    def __repr__(self) -> str:
+        return f"ObjectShardStore({self.url!r})"
+
+    def check(self) -> None:
+        """Raise a one-line StoreError when the bucket does not exist or cannot be reached (checked once)."""
+        if self._checked:
+            return
+        try:
+            info = self.fs.get_file_info(self.bucket)
+        except OSError as error:
+            raise self._fail(f"reaching bucket {self.bucket!r}", error) from None
+        if info.type == pafs.FileType.NotFound:
+            where = f" at {os.environ['AWS_ENDPOINT_URL']}" if os.environ.get("AWS_ENDPOINT_URL") else ""
+            raise StoreError(f"bucket {self.bucket!r} of store {self.url} does not exist{where}: create it "
+                             f"(e.g. `aws s3 mb s3://{self.bucket}`) or fix the store URL")
+        self._checked = True
+
+    def check_writable(self) -> None:
+        """The bucket exists and a small object can be written and removed under the store's prefix."""
+        self.check()
+        probe = f"{self.base}/.preflight-{uuid.uuid4().hex}"
+        try:
+            with self.fs.open_output_stream(probe) as out:
+                out.write(b"ok")
+            self.fs.delete_file(probe)
+        except OSError as error:
+            raise self._fail("writing a probe object", error) from None
 
     # ---- layout ----
     def _run(self, run_id: str) -> str:
@@ -104,10 +176,15 @@ class ObjectShardStore:
     def _record_path(self, run_id: str, shard: str) -> str:
         return f"{self._run(run_id)}/commits/{shard}.json"
 
+    def shards_dir(self, run_id: str) -> str:
+        return f"{self._run(run_id)}/shards"
+
     def _fail(self, what: str, error: Exception) -> StoreError:
-        return StoreError(f"{what} on store {self.url} failed: {error}")
+        return StoreError(f"{what} on store {self.url} failed: {' '.join(str(error).split())}")
 
     def runs(self) -> list[str]:
+        """Runs (the prefixes under the store URL), sorted by name."""
+        self.check()
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.base, allow_not_found=True))
         except OSError as error:
@@ -115,19 +192,32 @@ class ObjectShardStore:
         return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
     # ---- write ----
-    def commit(self, run_id: str, producer: str, chunk: int, groups: Iterable[ScoredGroup | dict[str, Any]] | pa.Table) -> CommitRecord:
+    def commit(
+        self,
+        run_id: str,
+        producer: str,
+        chunk: int,
+        groups: Iterable[ScoredGroup | dict[str, Any]] | pa.Table | pa.RecordBatch,
+        *,
+        replace: bool = False,
+        row_group_groups: int = 256,
+    ) -> CommitRecord:
         """Store one chunk exactly once: the shard object under its final name, then its commit record."""
         _check_name("producer", producer)
+        if replace:
+            raise StoreError(f"replacing a committed shard is not supported on object store {self.url}: a reader could "
+                             "see the new object with the old record; commit under a new chunk instead")
+        self.check()
         name = shard_name(producer, chunk)
         existing = self.record(run_id, name)
         if existing is not None:
-            return replace(existing, skipped=True)
+            return dataclass_replace(existing, skipped=True)
         if isinstance(groups, (pa.Table, pa.RecordBatch)):
             table = pa.Table.from_batches([groups]) if isinstance(groups, pa.RecordBatch) else groups
         else:
             table = pa.Table.from_batches([groups_to_record_batch([g if isinstance(g, ScoredGroup) else ScoredGroup.model_validate(g) for g in groups])])
         sink = pa.BufferOutputStream()
-        pq.write_table(table.cast(GROUP_SCHEMA), sink, write_page_checksum=True, **PARQUET_OPTIONS)
+        pq.write_table(table.cast(GROUP_SCHEMA), sink, row_group_size=row_group_groups, write_page_checksum=True, **PARQUET_OPTIONS)
         data = sink.getvalue()
         try:
             with self.fs.open_output_stream(self.shard_path(run_id, name)) as out:  # one PUT: absent or whole
@@ -142,8 +232,16 @@ class ObjectShardStore:
             raise self._fail(f"commit of {run_id}/{name}", error) from None
         return record
 
+    def finish_commits(self, run_id: str) -> list[str]:
+        """Nothing to finish: a commit record is written only after its shard object is whole (local stores rename
+        shards left under a temporary name here)."""
+        return []
+
     # ---- read ----
     def record(self, run_id: str, shard: str) -> CommitRecord | None:
+        cached = self._runs.get(run_id)
+        if cached is not None and shard in cached.records:
+            return cached.records[shard]
         try:
             with self.fs.open_input_stream(self._record_path(run_id, shard)) as handle:
                 return _parse(handle.read())
@@ -154,28 +252,67 @@ class ObjectShardStore:
                 return None
             raise self._fail(f"reading the record of {run_id}/{shard}", error) from None
 
+    def _refresh(self, run_id: str) -> _RunRecords:
+        """List the run's record prefix and read the records not seen before (records never change once written)."""
+        self.check()
+        with self._lock:
+            cached = self._runs.setdefault(run_id, _RunRecords())
+            selector = pafs.FileSelector(f"{self._run(run_id)}/commits", allow_not_found=True)
+            try:
+                names = [i.base_name[:-5] for i in self.fs.get_file_info(selector) if i.base_name.endswith(".json")]
+                new = [name for name in names if name not in cached.records]
+                with ThreadPoolExecutor(max_workers=min(16, max(1, len(new)))) as pool:
+                    records = list(pool.map(self._read_record, [self._record_path(run_id, n) for n in new]))
+            except OSError as error:
+                raise self._fail(f"listing the commits of {run_id}", error) from None
+            records.sort(key=lambda r: (r.committed_at, r.shard))
+            for record in records:
+                cached.records[record.shard] = record
+                cached.order.append(record.shard)
+            return cached
+
+    def _read_record(self, path: str) -> CommitRecord:
+        with self.fs.open_input_stream(path) as handle:
+            return _parse(handle.read())
+
     def committed(self, run_id: str) -> dict[str, CommitRecord]:
-        """Committed shards of a run, in commit order (time of the record, then name)."""
-        selector = pafs.FileSelector(f"{self._run(run_id)}/commits", allow_not_found=True)
+        """Committed shards of a run, in the order this store object first saw them (by commit time within one
+        listing); each call lists the record prefix and reads only records it has not read before."""
+        cached = self._refresh(run_id)
+        return {name: cached.records[name] for name in cached.order}
+
+    def changes(self, run_id: str, cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int], list[CommitRecord]]:
+        """Records committed since `cursor` (None: every record), as `ShardStore.changes`: (next cursor, records).
+
+        Costs one listing of the run's record prefix plus one GET per new record; the cursor is valid for this
+        store object (another object's cursor yields every record again, which callers dedupe by shard name)."""
+        cached = self._refresh(run_id)
+        end = len(cached.order)
+        since = cursor[1] if cursor is not None and cursor[0] == id(cached) and cursor[1] <= end else 0
+        return (id(cached), end), [cached.records[name] for name in cached.order[since:end]]
+
+    def locate(self, run_id: str, shard: str) -> tuple[str, int, int] | None:
+        record = self.record(run_id, shard)
+        return None if record is None else (self.shard_path(run_id, record.physical), record.row_offset, record.rows)
+
+    def file_size(self, path: str) -> int | None:
+        """Bytes of the object at `path`, or None when it does not exist."""
         try:
-            paths = [i.path for i in self.fs.get_file_info(selector) if i.path.endswith(".json")]
-            records = []
-            for path in paths:
-                with self.fs.open_input_stream(path) as handle:
-                    records.append(_parse(handle.read()))
+            info = self.fs.get_file_info(path)
         except OSError as error:
-            raise self._fail(f"listing the commits of {run_id}", error) from None
-        records.sort(key=lambda r: (r.committed_at, r.shard))
-        return {r.shard: r for r in records}
+            raise self._fail(f"looking up {path}", error) from None
+        return None if info.type == pafs.FileType.NotFound else info.size
 
     def count(self, run_id: str) -> int:
         return sum(r.rows for r in self.committed(run_id).values())
 
     def iter_batches(self, run_id: str, *, columns: list[str] | None = None, batch_size: int = READ_BATCH_GROUPS) -> Iterator[pa.RecordBatch]:
         """A run's committed rows as record batches, shard by shard in commit order (objects without a record are
-        never read: they are commits cut short)."""
+        never read: they are commits cut short). An unreadable shard raises (on a local store it is reported in
+        `problems` and left out): a read of an object store fails far more often for a passing reason."""
+        self.problems = []
         for record in self.committed(run_id).values():
-            path = self.shard_path(run_id, record.shard)
+            path = self.shard_path(run_id, record.physical)
             try:
                 with self.fs.open_input_file(path) as handle:
                     yield from pq.ParquetFile(handle, page_checksum_verification=True).iter_batches(batch_size=batch_size, columns=columns)
@@ -195,10 +332,18 @@ class ObjectShardStore:
         return count
 
 
+class _RunRecords:
+    """The commit records of one run read so far, and the order they were first seen in."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, CommitRecord] = {}
+        self.order: list[str] = []
+
+
 def _parse(data: bytes) -> CommitRecord:
     from factory.store import parse_commit_line
 
     return parse_commit_line(data)
 
 
-__all__ = ["ObjectShardStore", "open_store", "is_store_url"]
+__all__ = ["ObjectShardStore", "StoreReader", "open_store", "is_store_url"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from factory.config import FactoryConfig
 
@@ -21,7 +21,10 @@ class ServeConfig(FactoryConfig):
     ingest_producer: str = Field("api", description="Producer name of ingest shards; one per service sharing a store.")
     follow_runs: list[str] = Field(default_factory=list, description="Store runs whose shards are served as they are committed; '*' follows every run.")
     follow_interval_s: float = Field(0.5, gt=0, description="Seconds between scans of followed runs' commit logs.")
-    state_path: str | None = Field(None, description="SQLite file of served state; default <store_root>/<ingest_run>/serve-state.sqlite.")
+    state_path: str | None = Field(
+        None, description="SQLite file of served state; default <store_root>/<ingest_run>/serve-state.sqlite. Required (a "
+        "local path) when store_root is an object store URL (s3://bucket/prefix).",
+    )
     api_token: str | None = Field(None, description="If set, every request needs 'Authorization: Bearer <token>'.")
     max_body_mb: float = Field(256.0, gt=0, description="Largest request body accepted (compressed and decompressed), else 413.")
     gzip_level: int = Field(
@@ -99,6 +102,14 @@ class ServeConfig(FactoryConfig):
             if weight < 0:
                 raise ValueError(f"env_weights[{name!r}] is {weight}; weights must be >= 0")
         return value
+
+    @model_validator(mode="after")
+    def _local_state(self) -> ServeConfig:
+        if "://" in self.store_root and not self.store_root.startswith("file://") and not self.state_path:
+            raise ValueError(f"store_root {self.store_root} is an object store: give state_path, a local file for the "
+                             "served state (e.g. --state_path ./serve-state.sqlite); keep it across restarts, it is what "
+                             "keeps a served group from being served again")
+        return self
 
     def resolved_state_path(self) -> Path:
         if self.state_path:

@@ -8,11 +8,15 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.store import ShardStore, StoreError
+from factory.store import StoreError
+
+if TYPE_CHECKING:
+    from factory.store_object import StoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +27,8 @@ INDEX_COLUMNS = ["env", "env_id", "policy_version", "group_size"]
 class NewShard:
     run_id: str
     shard: str
-    path: Path
+    path: Path | str
+    """Local path, or the object's path on the store's `filesystem`."""
     rows: int
     index: pa.Table
     """INDEX_COLUMNS of every row."""
@@ -31,8 +36,8 @@ class NewShard:
     """Where the shard's rows start in `path` (a compacted file holds many shards)."""
 
 
-def read_index(path: Path) -> pa.Table:
-    return pq.read_table(path, columns=INDEX_COLUMNS)
+def read_index(path: Path | str, filesystem: pa.fs.FileSystem | None = None) -> pa.Table:
+    return pq.read_table(path, columns=INDEX_COLUMNS, filesystem=filesystem)
 
 
 class Locator:
@@ -41,12 +46,12 @@ class Locator:
     For a start-up that resolves every indexed shard: one read of each run's log state, one Path per file.
     """
 
-    def __init__(self, store: ShardStore) -> None:
+    def __init__(self, store: StoreReader) -> None:
         self.store = store
         self._records: dict[str, dict] = {}
-        self._paths: dict[tuple[str, str], Path] = {}
+        self._paths: dict[tuple[str, str], Path | str] = {}
 
-    def locate(self, run_id: str, shard: str) -> tuple[Path, int]:
+    def locate(self, run_id: str, shard: str) -> tuple[Path | str, int]:
         records = self._records.get(run_id)
         if records is None:
             records = self._records[run_id] = self.store.committed(run_id)
@@ -54,26 +59,27 @@ class Locator:
         name, offset = (record.physical, record.row_offset) if record is not None else (shard, 0)
         path = self._paths.get((run_id, name))
         if path is None:
-            path = self._paths[(run_id, name)] = self.store.shards_dir(run_id) / name
+            path = self._paths[(run_id, name)] = self.store.shard_path(run_id, name)
         return path, offset
 
 
 class IndexCache:
     """Index columns of recently read files, so the shards of one compacted file cost one read of it."""
 
-    def __init__(self, files: int = 8) -> None:
+    def __init__(self, files: int = 8, filesystem: pa.fs.FileSystem | None = None) -> None:
         self.files = files
-        self._tables: OrderedDict[Path, pa.Table] = OrderedDict()
+        self.filesystem = filesystem
+        self._tables: OrderedDict[Path | str, pa.Table] = OrderedDict()
 
-    def rows(self, path: Path, offset: int, rows: int) -> pa.Table:
+    def rows(self, path: Path | str, offset: int, rows: int) -> pa.Table:
         if offset == 0 and path not in self._tables:
-            table = read_index(path)
+            table = read_index(path, self.filesystem)
             if table.num_rows == rows:
                 return table
         else:
             table = self._tables.get(path)
             if table is None:
-                table = read_index(path)
+                table = read_index(path, self.filesystem)
         self._tables[path] = table
         self._tables.move_to_end(path)
         while len(self._tables) > self.files:
@@ -83,11 +89,11 @@ class IndexCache:
         return table.slice(offset, rows)
 
 
-_cursors: weakref.WeakKeyDictionary[ShardStore, dict[str, tuple[tuple[int, int] | None, set[str]]]] = weakref.WeakKeyDictionary()
+_cursors: weakref.WeakKeyDictionary[StoreReader, dict[str, tuple[Any, set[str]]]] = weakref.WeakKeyDictionary()
 """Per store object and run: the change-list cursor of the last scan and the shards it must look at again."""
 
 
-def runs_to_follow(store: ShardStore, follow: list[str], ingest_run: str) -> list[str]:
+def runs_to_follow(store: StoreReader, follow: list[str], ingest_run: str) -> list[str]:
     """The ingest run first, then the configured runs ('*' = every run in the store)."""
     runs = [ingest_run]
     for run in store.runs() if "*" in follow else follow:
@@ -97,7 +103,7 @@ def runs_to_follow(store: ShardStore, follow: list[str], ingest_run: str) -> lis
 
 
 def scan_new_shards(
-    store: ShardStore, runs: list[str], known: Collection[tuple[str, str]], reported: set[str]
+    store: StoreReader, runs: list[str], known: Collection[tuple[str, str]], reported: set[str]
 ) -> list[NewShard]:
     """Committed, intact shards of `runs` not in `known`, in commit order; a bad shard is logged once and left out.
 
@@ -105,10 +111,9 @@ def scan_new_shards(
     object (and at shards that could not be read then), not at the whole history.
     """
     found = []
-    indexes = IndexCache()
+    indexes = IndexCache(filesystem=store.filesystem)
     cursors = _cursors.setdefault(store, {})
     for run_id in runs:
-        shards = store.shards_dir(run_id)
         cursor, retry = cursors.get(run_id, (None, set()))
         cursor, changed = store.changes(run_id, cursor)
         pending = [record for shard in retry if (record := store.record(run_id, shard)) is not None]
@@ -120,8 +125,8 @@ def scan_new_shards(
             name = record.shard
             if (run_id, name) in known:
                 continue
-            path = shards / record.physical
-            if not finished and not path.exists():
+            path = store.shard_path(run_id, record.physical)
+            if not finished and store.file_size(path) is None:
                 # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
                 # crash (finish it). Skipping it would let a retried post be stored a second time.
                 finished = True
@@ -130,10 +135,12 @@ def scan_new_shards(
                 except (OSError, StoreError) as error:
                     logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
                 record = store.record(run_id, name) or record
-                path = shards / record.physical
+                path = store.shard_path(run_id, record.physical)
             try:
                 if not record.file:
-                    size = path.stat().st_size
+                    size = store.file_size(path)
+                    if size is None:
+                        raise FileNotFoundError(f"{path} does not exist")
                     if size != record.bytes:
                         raise OSError(f"size is {size} bytes, commit log says {record.bytes}")
                 index = indexes.rows(path, record.row_offset, record.rows)

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from factory.serve.memory import limit_malloc_arenas, return_free_memory
-from factory.store import CommitRecord, ShardStore, StoreError, shard_name
+from factory.store import CommitRecord, StoreError, shard_name
+from factory.store_object import StoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class GroupCommitter:
 
     def __init__(
         self,
-        store: ShardStore,
+        store: StoreReader,
         run_id: str,
         producer: str,
         on_commit: Callable[[CommitRecord, pa.Table], Awaitable[None] | None],

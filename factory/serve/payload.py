@@ -102,8 +102,10 @@ def batch_arrow(table: pa.Table, *, compress: bool = False) -> bytes:
 class PayloadReader:
     """Reads rows of shards with a byte-bounded cache of recently read row groups."""
 
-    def __init__(self, cache_bytes: int = 256 << 20) -> None:
+    def __init__(self, cache_bytes: int = 256 << 20, filesystem: pa.fs.FileSystem | None = None) -> None:
         self.cache_bytes = cache_bytes
+        self.filesystem = filesystem
+        """Where shard paths are opened (an object store's); None: they are local paths."""
         self._starts: OrderedDict[Path, list[int]] = OrderedDict()
         self._cache: OrderedDict[tuple[Path, int], pa.Table] = OrderedDict()
         self._cached = 0
@@ -111,7 +113,7 @@ class PayloadReader:
     def _row_group_starts(self, path: Path) -> list[int]:
         starts = self._starts.get(path)
         if starts is None:
-            meta = pq.ParquetFile(path).metadata
+            meta = pq.ParquetFile(path, filesystem=self.filesystem).metadata
             starts, total = [], 0
             for i in range(meta.num_row_groups):
                 starts.append(total)
@@ -127,7 +129,7 @@ class PayloadReader:
         if table is not None:
             self._cache.move_to_end(key)
             return table
-        table = pq.ParquetFile(path, page_checksum_verification=True).read_row_group(index, columns=READ_COLUMNS)
+        table = pq.ParquetFile(path, filesystem=self.filesystem, page_checksum_verification=True).read_row_group(index, columns=READ_COLUMNS)
         self._cache[key] = table
         self._cached += table.nbytes
         while self._cached > self.cache_bytes and len(self._cache) > 1:

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from factory.serve.ingest import Arrival, GroupCommitter
     from factory.serve.payload import PayloadReader
     from factory.serve.wire import WireGroups
-    from factory.store import CommitRecord, ShardStore
+    from factory.store import CommitRecord
+    from factory.store_object import StoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,13 @@ class BatchBody:
 class BatchService:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self._store: ShardStore | None = None
+        self._store: StoreReader | None = None
         self._loading = threading.Lock()
         self.state = ServedState(config.resolved_state_path())
         self.queue = GroupQueue()
         self._reader: PayloadReader | None = None
-        self.sources: dict[int, Path] = {}
+        self.sources: dict[int, Path | str] = {}
+        """File of each indexed shard: a local path, or an object's path on the store's filesystem."""
         self.row_offsets: dict[int, int] = {}
         """First row of a source in its file, where a compaction merged it into a larger file."""
         self._known: set[tuple[str, str]] = set()
@@ -110,15 +112,15 @@ class BatchService:
 
     # ---- lazily loaded parts (pyarrow) ----
     @property
-    def store(self) -> ShardStore:
+    def store(self) -> StoreReader:
         if self._store is None:
             with self._loading:  # the follower's thread and the first post's may both get here
                 if self._store is None:
                     from factory.serve.ingest import limit_allocator_growth
-                    from factory.store import ShardStore
+                    from factory.store_object import open_store
 
                     limit_allocator_growth()  # before pyarrow allocates anything
-                    self._store = ShardStore(self.config.store_root)
+                    self._store = open_store(self.config.store_root)
         return self._store
 
     @property
@@ -127,12 +129,13 @@ class BatchService:
             from factory.serve.payload import PayloadReader
 
             self.store  # noqa: B018 - the allocator settings come first
-            self._reader = PayloadReader(int(self.config.payload_cache_mb * (1 << 20)))
+            self._reader = PayloadReader(int(self.config.payload_cache_mb * (1 << 20)), self.store.filesystem)
         return self._reader
 
     def _may_have_shards(self) -> bool:
         """Whether a followed run may hold committed shards, looked at without importing the store: its directory
-        holds something besides this service's state DB. Until then the follower has nothing to scan."""
+        holds something besides this service's state DB. Until then the follower has nothing to scan. A store URL
+        (object store) is listed by the follower itself."""
         root = Path(self.config.store_root)
         state = self.config.resolved_state_path()
 
@@ -142,7 +145,7 @@ class BatchService:
             except OSError:
                 return False
 
-        if self._store is not None or self.sources:
+        if self._store is not None or self.sources or "://" in self.config.store_root:
             return True
         if "*" in self.config.follow_runs:
             try:
@@ -211,7 +214,7 @@ class BatchService:
         if sources:  # an idle service with nothing indexed does not load pyarrow and the store
             from factory.serve.follower import IndexCache, Locator
 
-            indexes, locator = IndexCache(), Locator(self.store)
+            indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
         for source, run_id, shard, rows in sources:
             path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
@@ -285,7 +288,7 @@ class BatchService:
                 # Committed while the state DB could not note it, or by a service that died before it could.
                 import pyarrow.parquet as pq
 
-                ids = pq.read_table(shard.path, columns=["group_id"]).column(0).to_pylist()
+                ids = pq.read_table(shard.path, columns=["group_id"], filesystem=self.store.filesystem).column(0).to_pylist()
                 self._stored_ids.update(ids)
             new.append(shard)
             ids_of.append(ids)
@@ -331,8 +334,8 @@ class BatchService:
                          record.shard, self.state.path, error)
             return
         self._stored_ids.difference_update(ids)
-        path = self.store.shards_dir(record.run_id) / record.shard
-        if not path.exists():  # committed, but its rename into place failed: finish it (reads fail until then)
+        path = self.store.shard_path(record.run_id, record.shard)
+        if self.store.file_size(path) is None:  # committed, but its rename into place failed: finish it (reads fail until then)
             self.store.finish_commits(record.run_id)
         self.sources[source] = path
         self._known.add((record.run_id, record.shard))

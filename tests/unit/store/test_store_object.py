@@ -1,58 +1,12 @@
 """The shard store on an S3-compatible object store: a local moto server started (and stopped) by the test."""
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pytest
 
 from factory.store import StoreError
 from factory.store_object import ObjectShardStore, open_store
 from factory.synthetic import synthetic_groups
-
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("moto", minversion="5.2.5")  # 5.2.1 answers pyarrow's CompleteMultipartUpload with an error
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-@pytest.fixture
-def bucket(s3_endpoint, monkeypatch, request):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    name = f"b-{request.node.name.replace('_', '-')[:40].lower()}"
-    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint.split("://")[1], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
-    fs.create_dir(name)
-    return fs, name
+from tests.moto_s3 import bucket, no_credentials, s3_endpoint  # noqa: F401 - fixtures
 
 
 def test_commit_and_read_back_groups(bucket):
@@ -94,10 +48,29 @@ def test_batches_from_an_arrow_table(bucket):
     assert sum(b.num_rows for b in store.iter_batches("run", columns=["group_id"])) == 4
 
 
-def test_missing_credentials_is_one_line(monkeypatch, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+def test_missing_credentials_is_one_line(no_credentials):
     with pytest.raises(StoreError) as error:
         open_store("s3://bucket/prefix")
     assert "\n" not in str(error.value) and "AWS_ACCESS_KEY_ID" in str(error.value)
+
+
+def test_a_missing_bucket_is_one_line(bucket):
+    with pytest.raises(StoreError) as error:
+        open_store("s3://no-such-bucket/prefix").runs()
+    assert "\n" not in str(error.value) and "'no-such-bucket'" in str(error.value) and "does not exist" in str(error.value)
+
+
+def test_changes_return_each_new_record_once(bucket):
+    _, name = bucket
+    store = open_store(f"s3://{name}/s")
+    store.commit("run", "w0", 0, list(synthetic_groups(2, group_size=2, seq_len=8, env="e")))
+    cursor, first = store.changes("run")
+    assert [r.shard for r in first] == ["w0-00000000.parquet"]
+    cursor, none = store.changes("run", cursor)
+    assert none == []
+    other = open_store(f"s3://{name}/s")  # another writer (process) commits; this reader sees only the new record
+    other.commit("run", "w1", 0, list(synthetic_groups(2, start=10, group_size=2, seq_len=8, env="e")))
+    cursor, second = store.changes("run", cursor)
+    assert [r.shard for r in second] == ["w1-00000000.parquet"]
+    path, offset, rows = store.locate("run", "w1-00000000.parquet")
+    assert store.file_size(path) == second[0].bytes and (offset, rows) == (0, 2)
