@@ -87,7 +87,7 @@ def _parser(kind: str) -> argparse.ArgumentParser:
     # ---- factory options (off by default) ----
     extra = parser.add_argument_group("factory options")
     add = extra.add_argument
-    add("--store", default=None, help="Read this shard store instead of the API (default ./data with --run).")
+    add("--store", default=None, help="Read this shard store (a directory or s3://bucket/prefix) instead of the API (default ./data with --run).")
     add("--run", dest="runs", action="append", default=[], help="Store run to read (repeatable); implies the store.")
     add("--env", dest="envs", action="append", default=[], help="Environment to keep (repeatable; default: all).")
     add("--layout", choices=["atropos", "trl"], default=None,

@@ -21,7 +21,7 @@ SINGLE_FILE_SUFFIXES: dict[str, OutputFormat] = {".parquet": "parquet", ".jsonl"
 class SourceConfig(FactoryConfig):
     """Where the groups come from: the shard store (default) or a running Atropos-compatible batching API."""
 
-    store: str = Field("./data", description="Shard store root directory.")
+    store: str = Field("./data", description="Shard store: a root directory, or an object store URL (s3://bucket/prefix).")
     runs: list[str] = Field(default_factory=list, description="Runs to read, in order; empty reads every run in the store.")
     envs: list[str] = Field(default_factory=list, description="Environments to keep; empty keeps all.")
     batch_groups: int = Field(1024, ge=1, description="Groups read per Arrow batch (bounds memory).")

@@ -168,10 +168,10 @@ def iter_store_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iter
     `need_tokens=False` skips reading the token and mask columns (the bulk of
     a shard) when no length limit or token decoding needs them.
     """
-    from factory.store import ShardStore  # not imported by API exports (their start-up)
+    from factory.store_object import open_store  # not imported by API exports (their start-up)
 
     columns = _META_COLUMNS + (["tokens", "masks"] if need_tokens else [])
-    store = ShardStore(config.store)
+    store = open_store(config.store)
     runs = config.runs or store.runs()
     if not runs:
         raise SourceError(f"store {store.root} holds no runs: check source.store, or write a run first")
@@ -411,9 +411,9 @@ def check_store_source(config: SourceConfig) -> None:
     so a command can refuse before it starts a flow run."""
     if config.api_url:
         return
-    from factory.store import ShardStore
+    from factory.store_object import open_store
 
-    store = ShardStore(config.store)
+    store = open_store(config.store)
     known = store.runs()
     if not known:
         raise SourceError(f"store {store.root} holds no runs: check source.store, or write a run first")

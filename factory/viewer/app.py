@@ -32,7 +32,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from factory.store import ShardStore
+from factory.store_object import open_store
 from factory.viewer import plots
 from factory.viewer.columns import Columns, histogram
 from factory.viewer.index import Filters, RunIndex, StoreIndex
@@ -162,7 +162,7 @@ class Viewer:
 
     def __init__(self, config: ViewerConfig) -> None:
         self.config = config
-        self.store = ShardStore(config.store)
+        self.store = open_store(config.store)
         self.index = StoreIndex(self.store)
         self.templates = environment()
         for name in ("index.html", "run.html", "group.html"):
@@ -245,8 +245,7 @@ class Viewer:
                     index.lock.release()
             metrics_path, _ = index.train_metrics() if index is not None else (None, [])
             if index is None:
-                metrics_path = next((True for rel in ("train/metrics.jsonl", "metrics.jsonl")
-                                     if (self.store.root / run_id / rel).is_file()), None)
+                metrics_path = self.index.has_metrics(run_id) or None
             runs.append({"id": run_id, "groups": groups, "shards": shards, "envs": envs, "metrics": bool(metrics_path)})
         return self.page(request, "index.html", runs=runs, store=str(self.store.root))
 

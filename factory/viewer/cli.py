@@ -24,7 +24,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def parse_args(argv: Sequence[str] | None = None) -> ViewerConfig:
     parser = argparse.ArgumentParser(prog="view-run", description=__doc__.splitlines()[0])
-    parser.add_argument("--store", default="./data", help="Shard store root (default ./data).")
+    parser.add_argument("--store", default="./data", help="Shard store root, a directory or s3://bucket/prefix (default ./data).")
     parser.add_argument("--run", default=None, help="Open this run first (the runs list stays at /?all).")
     parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one).")
@@ -56,8 +56,12 @@ def _main(argv: list[str]) -> int:
     config = parse_args(argv)
     check_port_free(config.host, config.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from factory.store_object import is_store_url, open_store
+
+    open_store(config.store).check()  # a missing bucket or credentials: one line now, not on the first page
     shown = f"[{config.host}]" if ":" in config.host else config.host
-    print(f"view-run: serving {os.path.abspath(config.store)} on http://{shown}:{config.port}/", flush=True)
+    where = config.store if is_store_url(config.store) else os.path.abspath(config.store)
+    print(f"view-run: serving {where} on http://{shown}:{config.port}/", flush=True)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
     return 0
 

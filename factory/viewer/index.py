@@ -35,7 +35,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from factory.store import CommitRecord, ShardStore
+from factory.store import CommitRecord
+from factory.store_object import StoreReader
 from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
 from factory.viewer.query import Filters
 
@@ -55,13 +56,14 @@ _CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
 _RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
 
 
-def index_shard(path: Path, shard_id: int, rows: tuple[int, int] | None = None) -> pl.DataFrame:
+def index_shard(path: Path | str, shard_id: int, rows: tuple[int, int] | None = None,
+                filesystem: pa.fs.FileSystem | None = None) -> pl.DataFrame:
     """The index rows of one shard: reads the small columns and the tokens column's list lengths.
 
     `rows` (first, count): only those rows of the file (a shard inside a compacted file), reading only the row
-    groups that hold them; "row" is still the row in the file.
+    groups that hold them; "row" is still the row in the file. `filesystem`: an object store's (None: a local path).
     """
-    parquet = pq.ParquetFile(path, page_checksum_verification=True)
+    parquet = pq.ParquetFile(path, filesystem=filesystem, page_checksum_verification=True)
     names = set(parquet.schema_arrow.names)
     columns = INDEX_COLUMNS + (["difficulty"] if "difficulty" in names else [])
     first = 0
@@ -131,10 +133,10 @@ class ShardEntry:
 class RunIndex:
     """The live index of one run; `refresh()` is cheap when the commit log has not changed."""
 
-    def __init__(self, store: ShardStore, run_id: str) -> None:
+    def __init__(self, store: StoreReader, run_id: str) -> None:
         self.store = store
         self.run_id = run_id
-        self.run_dir = store.run_dir(run_id)
+        self.run_dir = _local_run_dir(store, run_id)
         self.shards: dict[str, ShardEntry] = {}
         self.by_id: list[ShardEntry] = []
         self.problems: dict[str, str] = {}
@@ -214,11 +216,10 @@ class RunIndex:
         self._cursor = None
 
     def _add(self, record: CommitRecord) -> int:
-        path = self.store.shards_dir(self.run_id) / record.physical
+        path = self.store.shard_path(self.run_id, record.physical)
         self.problems.pop(str(path), None)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+        size = self.store.file_size(path)
+        if size is None:
             self.problems[str(path)] = "missing"
             return 0
         if size != record.bytes and not record.file:
@@ -227,9 +228,9 @@ class RunIndex:
         entry = ShardEntry(len(self.by_id), record, path, record.rows)
         try:
             if record.file:  # rows row_offset.. of a merged file; "row" stays the row in that file
-                frame = index_shard(path, entry.shard_id, (record.row_offset, record.rows))
+                frame = index_shard(path, entry.shard_id, (record.row_offset, record.rows), self.store.filesystem)
             else:
-                frame = index_shard(path, entry.shard_id)
+                frame = index_shard(path, entry.shard_id, filesystem=self.store.filesystem)
         except (OSError, pa.ArrowException) as error:
             self.problems[str(path)] = f"unreadable: {error}"
             logger.error("shard %s left out of the viewer: %s", path, error)
@@ -242,7 +243,7 @@ class RunIndex:
 
     def _refresh_stats(self) -> None:
         """Re-read the datagen stats files (per chunk and per producer) when the set of them changed."""
-        files = sorted(self.run_dir.glob("stats-*.json"))
+        files = sorted(self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
         key = tuple((p.name, p.stat().st_mtime_ns) for p in files if p.exists())
         if key == self._stats_key:
             return
@@ -344,7 +345,7 @@ class RunIndex:
 
     def train_metrics(self) -> tuple[Path | None, list[dict[str, Any]]]:
         """The trainer's per-step metrics (first of TRAIN_METRICS_PATHS that exists), re-read when it changes."""
-        for relative in TRAIN_METRICS_PATHS:
+        for relative in TRAIN_METRICS_PATHS if self.run_dir is not None else ():
             path = self.run_dir / relative
             try:
                 stat = path.stat()
@@ -367,7 +368,7 @@ class RunIndex:
     def read_table(self, shard_id: int, rows: list[int], columns: list[str]) -> pa.Table:
         """Columns of the given rows of one shard, in the order given, reading only the row groups that hold them."""
         entry = self.by_id[shard_id]
-        parquet = pq.ParquetFile(entry.path, page_checksum_verification=True)
+        parquet = pq.ParquetFile(entry.path, filesystem=self.store.filesystem, page_checksum_verification=True)
         if entry.row_group_starts is None:
             starts, total = [], 0
             for number in range(parquet.metadata.num_row_groups):
@@ -428,13 +429,15 @@ _EMPTY = pl.DataFrame(schema={
 class StoreIndex:
     """The indexes of every run in a store, made on first use and refreshed on every look."""
 
-    def __init__(self, store: ShardStore) -> None:
+    def __init__(self, store: StoreReader) -> None:
         self.store = store
         self._runs: dict[str, RunIndex] = {}
         self._lock = threading.Lock()
 
     def run_ids(self) -> list[str]:
         """Runs with a commit log or trainer metrics, sorted by name."""
+        if self.store.filesystem is not None:  # an object store: its runs (trainer metrics are local files)
+            return self.store.runs()
         if not self.store.root.is_dir():
             return []
         names = set(self.store.runs())
@@ -442,6 +445,11 @@ class StoreIndex:
             if path.is_dir() and any((path / relative).is_file() for relative in TRAIN_METRICS_PATHS):
                 names.add(path.name)
         return sorted(names)
+
+    def has_metrics(self, run_id: str) -> bool:
+        """Whether the run has trainer metrics, without indexing it."""
+        run_dir = _local_run_dir(self.store, run_id)
+        return run_dir is not None and any((run_dir / relative).is_file() for relative in TRAIN_METRICS_PATHS)
 
     def run(self, run_id: str, budget_s: float | None = None) -> RunIndex:
         """The run's index, refreshed (within `budget_s`, see `RunIndex.refresh`); KeyError for an unknown run."""
@@ -460,3 +468,9 @@ class StoreIndex:
         """(groups, shards) of a run from its commit log alone, without indexing it."""
         records = self.store.committed(run_id)
         return sum(r.rows for r in records.values()), len(records)
+
+
+def _local_run_dir(store: StoreReader, run_id: str) -> Path | None:
+    """The run's directory on a local store, where datagen stats and trainer metrics live; None on an object store
+    (it holds shards and commit records only, so the viewer shows no drop counts or training curves there)."""
+    return store.run_dir(run_id) if store.filesystem is None else None  # type: ignore[attr-defined]
