@@ -94,6 +94,7 @@ def _main(argv: list[str]) -> int:
                                          (f"${TOKEN_ENV}", "Sets api_token without putting it on the command line.")]))
         return 0
     config = load_config(argv)
+    config.resolved_state_path()  # an object store URL needs a local state_path
     # The two faults a user meets first, checked before uvicorn (whose own report ends in shutdown lines).
     check_port_free(config.host, config.port)
     check_store_writable("store_root", config.store_root)

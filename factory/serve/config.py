@@ -6,9 +6,9 @@ from pathlib import Path
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from factory.config import FactoryConfig
+from factory.config import ConfigError, FactoryConfig
 
 
 class ServeConfig(FactoryConfig):
@@ -103,15 +103,11 @@ class ServeConfig(FactoryConfig):
                 raise ValueError(f"env_weights[{name!r}] is {weight}; weights must be >= 0")
         return value
 
-    @model_validator(mode="after")
-    def _local_state(self) -> ServeConfig:
-        if "://" in self.store_root and not self.store_root.startswith("file://") and not self.state_path:
-            raise ValueError(f"store_root {self.store_root} is an object store: give state_path, a local file for the "
-                             "served state (e.g. --state_path ./serve-state.sqlite); keep it across restarts, it is what "
-                             "keeps a served group from being served again")
-        return self
-
     def resolved_state_path(self) -> Path:
         if self.state_path:
             return Path(self.state_path)
+        if "://" in self.store_root and not self.store_root.startswith("file://"):
+            raise ConfigError(f"store_root {self.store_root} is an object store URL: give state_path, a local file for "
+                              "the served state (e.g. --state_path ./serve-state.sqlite), and keep it across restarts: "
+                              "it is what keeps a served group from being served again")
         return Path(self.store_root) / self.ingest_run / "serve-state.sqlite"

@@ -1,3 +1,3 @@
 from factory.viewer.cli import main
 
-main()
+raise SystemExit(main())

@@ -4,7 +4,9 @@ stopped by the test): what users rely on is the same as on a local store."""
 from __future__ import annotations
 
 import asyncio
-import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -153,3 +155,44 @@ def test_viewer_shows_the_same_groups_from_an_object_store(bucket, tmp_path):
         pages[label] = (links, re.findall(r'href="(/run/run-1/group/[0-9a-f]+)"', older), group_page.text.count('class="completion"'),
                         "Question 59" in run_page.text, client.get("/").status_code)
     assert pages["local"] == pages["s3"] and len(pages["s3"][0]) == 50
+
+
+def _cli_commands(url: str, tmp_path: Path) -> dict[str, list[str]]:
+    return {
+        "run-api": [sys.executable, "-m", "factory.serve.cli", "--store_root", url, "--state_path", str(tmp_path / "state.sqlite"),
+                    "--port", "0"],
+        "atropos-sft-gen": [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", str(tmp_path / "o.jsonl"),
+                            "--store", url, "--save-messages"],
+        "view-run": [sys.executable, "-m", "factory.viewer", "--store", url, "--port", "0"],
+    }
+
+
+def _one_line_failure(command: list[str], prog: str, env: dict[str, str]) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"{prog}:"), lines[0]
+    return lines[0]
+
+
+def test_missing_credentials_fail_each_cli_with_one_line(no_credentials, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    for prog, command in _cli_commands("s3://some-bucket/store", tmp_path).items():
+        line = _one_line_failure(command, prog, env)
+        assert "no credentials for store s3://some-bucket/store" in line and "AWS_ACCESS_KEY_ID" in line, line
+
+
+def test_a_missing_bucket_fails_each_cli_with_one_line(bucket, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    for prog, command in _cli_commands("s3://no-such-bucket/store", tmp_path).items():
+        line = _one_line_failure(command, prog, env)
+        assert "bucket 'no-such-bucket'" in line and "does not exist" in line, line
+
+
+def test_run_api_on_an_object_store_asks_for_a_local_state_path(bucket, capsys):
+    from factory.serve.cli import main
+
+    assert main(["--store_root", f"s3://{bucket[1]}/store", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "state_path" in err, err
