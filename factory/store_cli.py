@@ -10,15 +10,22 @@ import argparse
 import logging
 import sys
 
+from factory.cli_errors import run_cli
 from factory.store import ShardStore, StoreError
 from factory.store_compact import compact_run, main_line
+from factory.store_object import is_store_url, open_store
 from factory.store_repair import DEFAULT_STALE_TMP_S, repair
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script; user errors (a missing bucket or credentials, ...) end with one line."""
+    return run_cli("factory-store", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="factory-store", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["verify", "repair", "compact"])
-    parser.add_argument("root", help="the store's root directory")
+    parser.add_argument("root", help="the store's root directory (compact also takes s3://bucket/prefix)")
     parser.add_argument("runs", nargs="*", help="run ids (default: every run in the store)")
     parser.add_argument("--stale-tmp-s", type=float, default=DEFAULT_STALE_TMP_S,
                         help="repair: delete temporary files older than this many seconds (default %(default)s)")
@@ -26,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush", action="store_true", help="compact: also merge a last batch under the target size")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    if is_store_url(args.root):
+        return _object_store(args)
     store = ShardStore(args.root)
     runs = args.runs or store.runs()
     if not runs:
@@ -57,6 +66,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run_id}: {len(store.committed(run_id))} committed shards, {groups} groups, "
               + ("consistent" if not problems else f"{len(problems)} problems"))
         bad += bool(problems)
+    return 1 if bad else 0
+
+
+def _object_store(args: argparse.Namespace) -> int:
+    """compact on an object store (verify and repair read a local log and directory)."""
+    from factory.store_object_compact import compact_object_run
+
+    if args.command != "compact":
+        print(f"factory-store: error: {args.command} works on a local or shared store root; on {args.root} only "
+              "compact is available", file=sys.stderr)
+        return 2
+    store = open_store(args.root)
+    known = store.runs()
+    bad = 0
+    for run_id in args.runs or known:
+        if run_id not in known:
+            print(f"{run_id}: no such run in {args.root}; runs there: {known or 'none'}")
+            bad += 1
+            continue
+        print(main_line(compact_object_run(store, run_id, target_bytes=int(args.target_mb * (1 << 20)), flush=args.flush)))
     return 1 if bad else 0
 
 

@@ -24,12 +24,13 @@ run-api and viewer still take a local root. Readers list the record prefix (cost
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace as dataclass_replace
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from datetime import datetime, timezone
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -40,7 +41,8 @@ import pyarrow.parquet as pq
 
 from environments.groups import ScoredGroup
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
-from factory.store import PARQUET_OPTIONS, READ_BATCH_GROUPS, CommitRecord, ShardStore, StoreError, _check_name, shard_name
+from factory.store import (PARQUET_OPTIONS, READ_BATCH_GROUPS, CommitRecord, ShardStore, StoreError, _batches_in_ranges,
+                           _check_name, shard_name)
 
 OBJECT_SCHEMES = ("s3",)
 
@@ -176,6 +178,9 @@ class ObjectShardStore:
     def _record_path(self, run_id: str, shard: str) -> str:
         return f"{self._run(run_id)}/commits/{shard}.json"
 
+    def compaction_path(self, run_id: str, name: str) -> str:
+        return f"{self._run(run_id)}/compactions/{name}.json"
+
     def shards_dir(self, run_id: str) -> str:
         return f"{self._run(run_id)}/shards"
 
@@ -243,37 +248,54 @@ class ObjectShardStore:
         if cached is not None and shard in cached.records:
             return cached.records[shard]
         try:
-            with self.fs.open_input_stream(self._record_path(run_id, shard)) as handle:
-                return _parse(handle.read())
+            found = self._read_json(self._record_path(run_id, shard))
+        except OSError as error:
+            raise self._fail(f"reading the record of {run_id}/{shard}", error) from None
+        if found is not None:
+            return _parse(found)
+        # Not committed, or committed and then compacted (its own record removed): the compaction records say.
+        return self._refresh(run_id, commits=False).records.get(shard)
+
+    def _read_json(self, path: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(path) as handle:
+                return handle.read()
         except FileNotFoundError:
             return None
         except OSError as error:
             if "NoSuchKey" in str(error) or "does not exist" in str(error):
                 return None
-            raise self._fail(f"reading the record of {run_id}/{shard}", error) from None
+            raise
 
-    def _refresh(self, run_id: str) -> _RunRecords:
-        """List the run's record prefix and read the records not seen before (records never change once written)."""
+    def _list_new(self, prefix: str, seen: Container[str]) -> list[tuple[str, bytes]]:
+        """(name, content) of the `.json` objects under `prefix` not in `seen`; one gone since the listing (a commit
+        record removed by a compaction) is left out."""
+        infos = self.fs.get_file_info(pafs.FileSelector(prefix, allow_not_found=True))
+        new = [(i.base_name[:-5], i.path) for i in infos if i.base_name.endswith(".json") and i.base_name[:-5] not in seen]
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(new)))) as pool:
+            contents = list(pool.map(self._read_json, [path for _, path in new]))
+        return [(name, data) for (name, _), data in zip(new, contents) if data is not None]
+
+    def _refresh(self, run_id: str, *, commits: bool = True) -> _RunRecords:
+        """Read the run's commit and compaction records not seen before (both kinds never change once written).
+
+        Commit records are listed before compaction records: a compaction writes its record before it removes its
+        members' commit records, so every committed shard is found through one or the other (or both: the
+        compaction's placement wins)."""
         self.check()
         with self._lock:
             cached = self._runs.setdefault(run_id, _RunRecords())
-            selector = pafs.FileSelector(f"{self._run(run_id)}/commits", allow_not_found=True)
             try:
-                names = [i.base_name[:-5] for i in self.fs.get_file_info(selector) if i.base_name.endswith(".json")]
-                new = [name for name in names if name not in cached.records]
-                with ThreadPoolExecutor(max_workers=min(16, max(1, len(new)))) as pool:
-                    records = list(pool.map(self._read_record, [self._record_path(run_id, n) for n in new]))
+                records = [_parse(data) for _, data in self._list_new(f"{self._run(run_id)}/commits", cached.records)] if commits else []
+                compactions = [json.loads(data) for _, data in self._list_new(f"{self._run(run_id)}/compactions", cached.compactions)]
             except OSError as error:
                 raise self._fail(f"listing the commits of {run_id}", error) from None
-            records.sort(key=lambda r: (r.committed_at, r.shard))
-            for record in records:
-                cached.records[record.shard] = record
-                cached.order.append(record.shard)
+            for compaction in sorted(compactions, key=lambda c: (c["committed_at"], c["compact"])):
+                cached.apply_compaction(compaction)
+            for record in sorted(records, key=lambda r: (r.committed_at, r.shard)):
+                if record.shard not in cached.records:
+                    cached.put(record)
             return cached
-
-    def _read_record(self, path: str) -> CommitRecord:
-        with self.fs.open_input_stream(path) as handle:
-            return _parse(handle.read())
 
     def committed(self, run_id: str) -> dict[str, CommitRecord]:
         """Committed shards of a run, in the order this store object first saw them (by commit time within one
@@ -287,9 +309,14 @@ class ObjectShardStore:
         Costs one listing of the run's record prefix plus one GET per new record; the cursor is valid for this
         store object (another object's cursor yields every record again, which callers dedupe by shard name)."""
         cached = self._refresh(run_id)
-        end = len(cached.order)
+        end = len(cached.changed)
         since = cursor[1] if cursor is not None and cursor[0] == id(cached) and cursor[1] <= end else 0
-        return (id(cached), end), [cached.records[name] for name in cached.order[since:end]]
+        seen = {name: cached.records[name] for name in cached.changed[since:end]}
+        return (id(cached), end), list(seen.values())
+
+    def compactions(self, run_id: str) -> dict[str, str]:
+        """The run's compaction records: merged file -> when it was recorded (ISO time, UTC)."""
+        return dict(self._refresh(run_id, commits=False).compactions)
 
     def locate(self, run_id: str, shard: str) -> tuple[str, int, int] | None:
         record = self.record(run_id, shard)
@@ -311,13 +338,21 @@ class ObjectShardStore:
         never read: they are commits cut short). An unreadable shard raises (on a local store it is reported in
         `problems` and left out): a read of an object store fails far more often for a passing reason."""
         self.problems = []
-        for record in self.committed(run_id).values():
-            path = self.shard_path(run_id, record.physical)
+        files: dict[str, list[tuple[int, int]] | None] = {}
+        for record in self.committed(run_id).values():  # each file once, where its first shard was committed
+            if record.file:
+                ranges = files.setdefault(record.file, [])
+                ranges.append((record.row_offset, record.row_offset + record.rows))  # type: ignore[union-attr]
+            else:
+                files[record.shard] = None
+        for name, ranges in files.items():
+            path = self.shard_path(run_id, name)
             try:
                 with self.fs.open_input_file(path) as handle:
-                    yield from pq.ParquetFile(handle, page_checksum_verification=True).iter_batches(batch_size=batch_size, columns=columns)
+                    batches = pq.ParquetFile(handle, page_checksum_verification=True).iter_batches(batch_size=batch_size, columns=columns)
+                    yield from batches if ranges is None else _batches_in_ranges(batches, sorted(ranges))
             except (OSError, pa.ArrowException) as error:
-                raise self._fail(f"reading shard {run_id}/{record.shard}", error) from None
+                raise self._fail(f"reading shard file {run_id}/{name}", error) from None
 
     def iter_groups(self, run_id: str, *, validate: bool = False) -> Iterator[ScoredGroup]:
         for batch in self.iter_batches(run_id):
@@ -333,11 +368,33 @@ class ObjectShardStore:
 
 
 class _RunRecords:
-    """The commit records of one run read so far, and the order they were first seen in."""
+    """The records of one run read so far: each shard's current record (where a compaction moved its rows, that
+    file and offset), the order shards were first seen in, and the order they were added or moved in."""
 
     def __init__(self) -> None:
         self.records: dict[str, CommitRecord] = {}
         self.order: list[str] = []
+        self.changed: list[str] = []
+        self.compactions: dict[str, str] = {}
+        """Compaction records read: merged file -> committed_at."""
+
+    def put(self, record: CommitRecord) -> None:
+        if record.shard not in self.records:
+            self.order.append(record.shard)
+        self.records[record.shard] = record
+        self.changed.append(record.shard)
+
+    def apply_compaction(self, data: dict[str, Any]) -> None:
+        """Its members' rows are rows `offset..` of the merged file, in member order. A shard that an earlier
+        compaction already moved stays where that one put it (two compactors raced: the first record wins)."""
+        name, offset = data["compact"], 0
+        self.compactions[name] = data["committed_at"]
+        for member in data["members"]:
+            record = CommitRecord.from_dict(member)
+            current = self.records.get(record.shard)
+            if current is None or not current.file:
+                self.put(dataclass_replace(record, file=name, row_offset=offset))
+            offset += record.rows
 
 
 def _parse(data: bytes) -> CommitRecord:

@@ -2,6 +2,7 @@
 
     python -m flows.compact --store-root data/store --runs run-1 run-2 --target-mb 256
     python -m flows.compact --store-root data/store --flush      # every run, including a last file under target
+    python -m flows.compact --store-root s3://bucket/store --runs run-1   # an object store (factory/store_object_compact.py)
 
 Each run's merge is recorded in its commit log (factory/store_compact.py): readers see every group once before,
 during and after, a kill at any point is finished or undone by the next reader, and run-api's served state (keyed
@@ -16,7 +17,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from factory.store import ShardStore, StoreError
+from factory.store import StoreError
+from factory.store_object import open_store
 from tasks.compact import compact_run_task
 
 
@@ -24,9 +26,10 @@ from tasks.compact import compact_run_task
 def compact(store_root: str, runs: list[str] | None = None, target_mb: int = 256, flush: bool = False) -> list[dict[str, Any]]:
     """Compact `runs` of the store (default: every run) into files of about `target_mb`; returns one report per run."""
     logger = get_run_logger()
-    store = ShardStore(store_root)
-    names = runs or store.runs()
-    missing = [run for run in names if not store.commit_log(run).is_file()]
+    store = open_store(store_root)
+    known = store.runs()
+    names = runs or known
+    missing = [run for run in names if run not in known]
     if missing:
         raise StoreError(f"run(s) {missing} have no commit log under {store.root}; runs there: {store.runs() or 'none'}")
     if not names:

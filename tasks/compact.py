@@ -1,4 +1,4 @@
-"""Prefect task of the compact flow: one run's compaction (plain function: factory.store_compact.compact_run)."""
+"""Prefect task of the compact flow: one run's compaction (plain function: factory.store_object_compact.compact_store_run)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ from typing import Any
 
 from prefect import task
 
-from factory.store import ShardStore
-from factory.store_compact import DEFAULT_TARGET_BYTES, compact_run, main_line
+from factory.store_compact import DEFAULT_TARGET_BYTES, main_line
+from factory.store_object import open_store
+from factory.store_object_compact import compact_store_run
 
 
 def compact_one_run(store_root: str, run_id: str, target_bytes: int = DEFAULT_TARGET_BYTES, flush: bool = False) -> dict[str, Any]:
-    """Compact one run of the store; returns the report as a dict (with a one-line summary)."""
-    report = compact_run(ShardStore(store_root), run_id, target_bytes=target_bytes, flush=flush)
+    """Compact one run of the store (a directory or s3://bucket/prefix); returns the report as a dict (with a one-line
+    summary)."""
+    report = compact_store_run(open_store(store_root), run_id, target_bytes=target_bytes, flush=flush)
     return {"run_id": run_id, "files": report.files, "shards": report.shards, "rows": report.rows,
             "bytes_in": report.bytes_in, "bytes_out": report.bytes_out, "seconds": report.seconds,
             "mb_per_s": report.mb_per_s, "skipped": report.skipped, "summary": main_line(report)}

@@ -5,6 +5,7 @@ per test. Nothing here talks to a remote server."""
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def bucket(s3_endpoint, monkeypatch, request):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    name = f"b-{request.node.name.replace('_', '-')[:40].lower().strip('-')}"
+    digest = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8]  # parametrized tests get their own
+    name = f"b-{request.node.name.replace('_', '-')[:40].lower().strip('-')}-{digest}"
     fs = pafs.S3FileSystem(endpoint_override=s3_endpoint.split("://")[1], scheme="http", region="us-east-1",
                            access_key="testing", secret_key="testing", allow_bucket_creation=True)
     fs.create_dir(name)
