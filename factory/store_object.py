@@ -1,24 +1,39 @@
 """The shard store on an object store (s3://bucket/prefix, S3-compatible), through pyarrow's filesystems.
 
-Layout under the URL, as on a local root: `<run>/shards/<shard>.parquet` and the run's commit log, here a
-prefix `<run>/commits/` holding one small JSON object per commit, named by the shard (`<producer>-<chunk>`).
+Layout under the URL, as on a local root: `<run>/shards/<shard>.parquet`, and for the run's commit log two
+prefixes of small JSON objects: `<run>/commits/<shard>.json`, one per commit, named by the shard
+(`<producer>-<chunk>`), and `<run>/compactions/<file>.json`, one per merged file (factory/store_object_compact.py).
 
 Atomic commit, per backend:
 - Local or shared POSIX path (`ShardStore`): write a temp file, fsync, rename to the final name, fsync the
   directory, then append and fsync the commit-log line; the log line is the commit.
 - Object store (`ObjectShardStore`): there is no rename, no append and no fsync, but a PUT is atomic (an
-  object is either absent or whole) and durable once it returns. A commit PUTs the shard object under its
+  object is either absent or whole), durable once it returns, and visible to GETs and listings at once (S3 and
+  the S3-compatible servers this targets are strongly consistent). A commit PUTs the shard object under its
   final, unique name first, then PUTs its commit record; the record is the commit. Readers see only shards
   that have a record, so a writer killed between the two PUTs leaves an invisible object, never a torn shard.
   The log is one object per commit, so no read-modify-write of a shared log object is ever needed.
+- Compaction on an object store: PUT the merged object, then PUT its compaction record (the commit point),
+  which lists the members' records and so replaces them; then the members' commit records are deleted, and
+  their shard objects later. Readers list `commits/` before `compactions/`: since the compaction record exists
+  before any member record is deleted, each shard is found through one of them, and through both it is read
+  once, from the merged object. A kill at any step leaves every committed group readable exactly once.
 
   Concurrency rule (chosen instead of conditional writes, which pyarrow's S3 filesystem cannot issue): one
-  writer per (run, producer). Names are unique per (producer, chunk), so writers with distinct producer names
-  never touch the same object; a commit first checks for its own record and writes nothing if it exists
-  (exactly-once for a retried chunk). Two live writers sharing a producer name are not supported.
+  writer per (run, producer), one compactor per run. Names are unique per (producer, chunk), so writers with
+  distinct producer names never touch the same object; a commit first checks for its own record (or a
+  compaction record listing it) and writes nothing if it exists (exactly-once for a retried chunk). Two live
+  writers sharing a producer name are not supported, nor is `replace=True`.
 
-Not done on object stores (yet): compaction, the manifest checkpoint, repair and the follower cursor; the
-run-api and viewer still take a local root. Readers list the record prefix (cost grows with the run's commits).
+What reads an object store: everything written against `StoreReader` (below), which `ShardStore` also provides:
+run-api and its follower (shard files are read through `filesystem`; the served state stays a local SQLite
+file, `state_path`), the SFT/DPO exports, view-run (shards only: datagen stats and trainer metrics are local run
+files) and compaction. Records are immutable, so a store object caches them: a follower poll costs one listing
+of `commits/` and one of `compactions/` plus a GET per new record (compaction keeps `commits/` short).
+Not done on object stores: datagen writing to them, `verify`/`repair`, the manifest checkpoint.
+
+A missing credential, or a bucket that does not exist, is a one-line `StoreError` (commands print it as their
+last line, without a traceback).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ class ServeConfig(FactoryConfig):
 
     host: str = Field("0.0.0.0", description="Interface to bind (Atropos's run-api binds 0.0.0.0).")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (Atropos's default is 8000).")
-    store_root: str = Field("./data", description="Shard store root: followed runs are read and posted groups are committed here.")
+    store_root: str = Field("./data", description="Shard store root (a directory, or s3://bucket/prefix with a local state_path): followed runs are read and posted groups are committed here.")
     ingest_run: str = Field("api", description="Run that groups POSTed to /scored_data(_list) are committed to.")
     ingest_producer: str = Field("api", description="Producer name of ingest shards; one per service sharing a store.")
     follow_runs: list[str] = Field(default_factory=list, description="Store runs whose shards are served as they are committed; '*' follows every run.")
