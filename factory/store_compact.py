@@ -29,10 +29,11 @@ the shards as they were; after 2, the next commit, read or `repair` of the
 run finishes 3 and 4 from the log. Compaction runs beside live writers: they
 only wait for the lock during step 2.
 
-A run-api following the run when it is compacted keeps reading the member files
-it indexed before; they are gone after step 4, so restart it after a
-compaction (it then reads the shards from the merged files, and what it served
-before stays served: the served state is keyed by shard name and row).
+A run-api following the run when it is compacted reads the queued groups of
+the merged shards from the merged file once its follower has seen the record
+(within `follow_interval_s`; a /batch formed from a removed member file in
+between answers 503 and takes nothing, and the trainer retries). What it served
+before stays served: the served state is keyed by shard name and row.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
 
 Each run's merge is recorded in its commit log (factory/store_compact.py): readers see every group once before,
 during and after, a kill at any point is finished or undone by the next reader, and run-api's served state (keyed
-by shard and row) stays right. Restart a run-api that follows a compacted run to let it read the merged files.
+by shard and row) stays right; a run-api following a compacted run reads the merged files once its follower sees the
+compaction (no restart).
 """
 
 from __future__ import annotations

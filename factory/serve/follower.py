@@ -36,6 +36,16 @@ class NewShard:
     """Where the shard's rows start in `path` (a compacted file holds many shards)."""
 
 
+@dataclass
+class Moved:
+    """A known shard whose rows a compaction moved: they are now rows `row_offset..` of `path`."""
+
+    run_id: str
+    shard: str
+    path: Path | str
+    row_offset: int
+
+
 def read_index(path: Path | str, filesystem: pa.fs.FileSystem | None = None) -> pa.Table:
     return pq.read_table(path, columns=INDEX_COLUMNS, filesystem=filesystem)
 
@@ -103,9 +113,13 @@ def runs_to_follow(store: StoreReader, follow: list[str], ingest_run: str) -> li
 
 
 def scan_new_shards(
-    store: StoreReader, runs: list[str], known: Collection[tuple[str, str]], reported: set[str]
+    store: StoreReader, runs: list[str], known: Collection[tuple[str, str]], reported: set[str],
+    moved: list[Moved] | None = None,
 ) -> list[NewShard]:
     """Committed, intact shards of `runs` not in `known`, in commit order; a bad shard is logged once and left out.
+
+    `moved`, if given, gets the known shards whose rows a compaction moved into a merged file that is in place
+    (their rows keep their numbers inside the shard: row r is row `row_offset + r` of the file).
 
     Each scan looks only at what the runs' logs added or changed since the previous scan with this store
     object (and at shards that could not be read then), not at the whole history.
@@ -124,6 +138,12 @@ def scan_new_shards(
         for record in {r.shard: r for r in pending + changed}.values():
             name = record.shard
             if (run_id, name) in known:
+                if moved is not None and record.file:
+                    path = store.shard_path(run_id, record.physical)
+                    if store.file_size(path) is None:
+                        again.add(name)  # logged, not yet in place: look again next scan
+                    else:
+                        moved.append(Moved(run_id, name, path, record.row_offset))
                 continue
             path = store.shard_path(run_id, record.physical)
             if not finished and store.file_size(path) is None:

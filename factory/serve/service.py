@@ -47,7 +47,7 @@ from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, Serv
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from factory.serve.follower import NewShard
+    from factory.serve.follower import Moved, NewShard
     from factory.serve.ingest import Arrival, GroupCommitter
     from factory.serve.payload import PayloadReader
     from factory.serve.wire import WireGroups
@@ -90,6 +90,11 @@ class BatchService:
         """File of each indexed shard: a local path, or an object's path on the store's filesystem."""
         self.row_offsets: dict[int, int] = {}
         """First row of a source in its file, where a compaction merged it into a larger file."""
+        self._source_ids: dict[tuple[str, str], int] = {}
+        """(run, shard) -> source, to follow a shard whose rows a compaction moved while the service runs."""
+        self._moved: dict[int, tuple[Path | str, int]] = {}
+        """(file, first row) of sources a compaction moved while the service runs: one entry, so a read in a worker
+        thread sees the old place or the new one, never the new file with the old offset."""
         self._known: set[tuple[str, str]] = set()
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
@@ -218,6 +223,7 @@ class BatchService:
         for source, run_id, shard, rows in sources:
             path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
+            self._source_ids[(run_id, shard)] = source
             if offset:
                 self.row_offsets[source] = offset
             self._known.add((run_id, shard))
@@ -258,13 +264,14 @@ class BatchService:
         self.state.close()
 
     # ---- sources of groups ----
-    def _scan(self) -> list[NewShard]:
+    def _scan(self) -> tuple[list[NewShard], list[Moved]]:
         if not self._may_have_shards():
-            return []
+            return [], []
         from factory.serve.follower import runs_to_follow, scan_new_shards
 
         runs = runs_to_follow(self.store, self.config.follow_runs, self.config.ingest_run)
-        return scan_new_shards(self.store, runs, set(self._known), self._reported)
+        moved: list[Moved] = []
+        return scan_new_shards(self.store, runs, set(self._known), self._reported, moved), moved
 
     async def _follow(self) -> None:
         while True:
@@ -274,7 +281,9 @@ class BatchService:
             except Exception:  # noqa: BLE001 - a bad scan must not stop following; it is retried next interval
                 logger.exception("scan of followed runs failed; retrying in %.1f s", self.config.follow_interval_s)
 
-    def _add_shards(self, shards: list[NewShard]) -> None:
+    def _add_shards(self, found: tuple[list[NewShard], list[Moved]]) -> None:
+        shards, moved = found
+        self._relocate(moved)
         new: list[NewShard] = []
         ids_of: list[list[str]] = []
         seen: set[tuple[str, str]] = set()
@@ -302,11 +311,22 @@ class BatchService:
         for shard, ids, source in zip(new, ids_of, sources):
             self._stored_ids.difference_update(ids)
             self.sources[source] = shard.path
+            self._source_ids[(shard.run_id, shard.shard)] = source
             if shard.row_offset:
                 self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
             self._enqueue(source, shard.index)
         self._kick_prefetch()
+
+    def _relocate(self, moved: list[Moved]) -> None:
+        """Read shards a compaction merged while the service runs from the merged file: same rows, same (shard,
+        row) keys in the served state, so nothing is served twice or skipped (the member files may be gone)."""
+        for shard in moved:
+            source = self._source_ids.get((shard.run_id, shard.shard))
+            if source is None or self._location(source, 0) == (shard.path, shard.row_offset):
+                continue
+            self._moved[source] = (shard.path, shard.row_offset)
+            logger.info("shard %s/%s is now read from %s (compacted)", shard.run_id, shard.shard, shard.path)
 
     def _enqueue(self, source: int, index: Any, skip: set[int] | frozenset[int] = frozenset()) -> None:
         columns = index.to_pydict()
@@ -338,6 +358,7 @@ class BatchService:
         if self.store.file_size(path) is None:  # committed, but its rename into place failed: finish it (reads fail until then)
             self.store.finish_commits(record.run_id)
         self.sources[source] = path
+        self._source_ids[(record.run_id, record.shard)] = source
         self._known.add((record.run_id, record.shard))
         for row, (size, env, env_id, version) in enumerate(
             zip(columns["group_size"], columns["env"], columns["env_id"], columns["policy_version"])
@@ -666,8 +687,15 @@ class BatchService:
             body.gz = gzip_compress(body.raw, level)
         return body
 
+    def _location(self, source: int, row: int) -> tuple[Path | str, int]:
+        """(file, row in it) of a queued group."""
+        moved = self._moved.get(source)
+        if moved is not None:
+            return moved[0], moved[1] + row
+        return self.sources[source], row + self.row_offsets.get(source, 0)
+
     def _read(self, keys: list[tuple[int, int]], arrow: bool, compress: bool) -> BatchBody:
-        table = self.reader.read([(self.sources[source], row + self.row_offsets.get(source, 0)) for source, row in keys])
+        table = self.reader.read([self._location(source, row) for source, row in keys])
         return self._encode(BatchBody(table=table), arrow, compress)
 
     async def next_batch(self, accept_gzip: bool, arrow: bool = False) -> BatchBody:
@@ -758,7 +786,7 @@ class BatchService:
             return EMPTY_EXAMPLE
         async with self._lock:
             table = await asyncio.to_thread(
-                self.reader.read, [(self.sources[last.source], last.row + self.row_offsets.get(last.source, 0))])
+                self.reader.read, [self._location(last.source, last.row)])
         from factory.serve.payload import encode_groups
 
         return encode_groups(table)[0]

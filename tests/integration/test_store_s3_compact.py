@@ -153,3 +153,40 @@ def test_compact_task_flow_cli_on_an_object_store(bucket, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'no-such-bucket'" in err and "does not exist" in err
     assert len(ids(url, "a")) == len(ids(url, "b")) == 20
+
+
+def test_run_api_keeps_serving_through_a_compaction_while_it_runs(bucket, tmp_path):
+    """No restart: the follower sees the compaction record and reads the rest of the queued groups from the merged
+    object (the member objects are deleted at once here, keep_members_s=0); each group is served once."""
+    _, name = bucket
+    url = f"s3://{name}/s"
+    fill(open_store(url), "gen", 20, per=4)
+    config = ServeConfig(store_root=url, state_path=str(tmp_path / "state.sqlite"), follow_runs=["gen"],
+                         follow_interval_s=0.05, batch_metadata=True, prefetch=False)
+
+    def batch_ids(body: bytes) -> list[str]:
+        data = orjson.loads(body)
+        return [item["group_id"] for item in data["batch"]] if data.get("batch") else []
+
+    async def scenario() -> tuple[list[str], int]:
+        service = BatchService(config)
+        await service.start()
+        await service.register(REGISTRATION)
+        served = []
+        for _ in range(3):
+            served += batch_ids((await service.next_batch(False)).raw)
+        await asyncio.to_thread(compact_object_run, open_store(url), "gen", target_bytes=1 << 30, keep_members_s=0)
+        for _ in range(100):  # until the follower has moved every queued shard to the merged object
+            await asyncio.sleep(0.05)
+            if len(service._moved) == 20:
+                break
+        moved = len(service._moved)
+        while got := batch_ids((await service.next_batch(False)).raw):
+            served += got
+        await service.stop()
+        return served, moved
+
+    served, moved = asyncio.run(scenario())
+    assert moved == 20
+    assert len(served) == len(set(served)) == 80
+    assert served == [g.group_id for g in synthetic_groups(80, group_size=2, seq_len=8)]

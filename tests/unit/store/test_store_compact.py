@@ -314,3 +314,34 @@ def test_a_damaged_shard_is_found_by_the_copy_and_its_batch_left_as_it_was(tmp_p
     assert report.files == [] and "sha256 differs from the commit log (corrupt)" in report.skipped[0]
     assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
     assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
+
+
+def test_a_running_service_reads_shards_compacted_under_it_from_the_merged_file(tmp_path):
+    """No restart: once the follower has seen the compaction record, queued groups of the merged (and removed)
+    shard files are read from the merged file; each group is served once, in order."""
+    def batch_ids(body: bytes) -> list[str]:
+        data = orjson.loads(body)
+        return [item["group_id"] for item in data["batch"]] if data.get("batch") else []
+
+    async def scenario():
+        fill(ShardStore(tmp_path), "gen", 20, per=4)
+        cfg = ServeConfig(store_root=str(tmp_path), follow_interval_s=0.05, follow_runs=["gen"], batch_metadata=True,
+                          prefetch=False)
+        service = BatchService(cfg)
+        await service.start()
+        await service.register(REGISTRATION)
+        served = []
+        for _ in range(3):
+            served += batch_ids((await service.next_batch(False)).raw)
+        await asyncio.to_thread(compact_run, ShardStore(tmp_path), "gen", target_bytes=1 << 30)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if len(service._moved) == 20:
+                break
+        while got := batch_ids((await service.next_batch(False)).raw):
+            served += got
+        await service.stop()
+        return served
+
+    served = asyncio.run(scenario())
+    assert served == [g.group_id for g in synthetic_groups(80, group_size=2, seq_len=8)]
