@@ -269,7 +269,9 @@ class ObjectShardStore:
         if found is not None:
             return _parse(found)
         # Not committed, or committed and then compacted (its own record removed): the compaction records say.
-        return self._refresh(run_id, commits=False).records.get(shard)
+        cached = self._refresh(run_id, commits=False)
+        with self._lock:
+            return cached.records.get(shard)
 
     def _read_json(self, path: str) -> bytes | None:
         try:
@@ -316,7 +318,8 @@ class ObjectShardStore:
         """Committed shards of a run, in the order this store object first saw them (by commit time within one
         listing); each call lists the record prefix and reads only records it has not read before."""
         cached = self._refresh(run_id)
-        return {name: cached.records[name] for name in cached.order}
+        with self._lock:  # the follower's thread and a committer's may refresh it at the same time
+            return {name: cached.records[name] for name in cached.order}
 
     def changes(self, run_id: str, cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int], list[CommitRecord]]:
         """Records committed since `cursor` (None: every record), as `ShardStore.changes`: (next cursor, records).
@@ -324,14 +327,17 @@ class ObjectShardStore:
         Costs one listing of the run's record prefix plus one GET per new record; the cursor is valid for this
         store object (another object's cursor yields every record again, which callers dedupe by shard name)."""
         cached = self._refresh(run_id)
-        end = len(cached.changed)
-        since = cursor[1] if cursor is not None and cursor[0] == id(cached) and cursor[1] <= end else 0
-        seen = {name: cached.records[name] for name in cached.changed[since:end]}
+        with self._lock:
+            end = len(cached.changed)
+            since = cursor[1] if cursor is not None and cursor[0] == id(cached) and cursor[1] <= end else 0
+            seen = {name: cached.records[name] for name in cached.changed[since:end]}
         return (id(cached), end), list(seen.values())
 
     def compactions(self, run_id: str) -> dict[str, str]:
         """The run's compaction records: merged file -> when it was recorded (ISO time, UTC)."""
-        return dict(self._refresh(run_id, commits=False).compactions)
+        cached = self._refresh(run_id, commits=False)
+        with self._lock:
+            return dict(cached.compactions)
 
     def locate(self, run_id: str, shard: str) -> tuple[str, int, int] | None:
         record = self.record(run_id, shard)
