@@ -126,6 +126,14 @@ def scan_new_shards(
     """
     found = []
     indexes = IndexCache(filesystem=store.filesystem)
+    sizes: dict[Path | str, int | None] = {}
+
+    def size_of(path: Path | str) -> int | None:
+        """One look per file and scan (a stat, or a HEAD request on an object store; a merged file holds many)."""
+        if path not in sizes:
+            sizes[path] = store.file_size(path)
+        return sizes[path]
+
     cursors = _cursors.setdefault(store, {})
     for run_id in runs:
         cursor, retry = cursors.get(run_id, (None, set()))
@@ -140,13 +148,13 @@ def scan_new_shards(
             if (run_id, name) in known:
                 if moved is not None and record.file:
                     path = store.shard_path(run_id, record.physical)
-                    if store.file_size(path) is None:
+                    if size_of(path) is None:
                         again.add(name)  # logged, not yet in place: look again next scan
                     else:
                         moved.append(Moved(run_id, name, path, record.row_offset))
                 continue
             path = store.shard_path(run_id, record.physical)
-            if not finished and store.file_size(path) is None:
+            if not finished and size_of(path) is None:
                 # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
                 # crash (finish it). Skipping it would let a retried post be stored a second time.
                 finished = True
@@ -156,9 +164,10 @@ def scan_new_shards(
                     logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
                 record = store.record(run_id, name) or record
                 path = store.shard_path(run_id, record.physical)
+                sizes.clear()
             try:
                 if not record.file:
-                    size = store.file_size(path)
+                    size = size_of(path)
                     if size is None:
                         raise FileNotFoundError(f"{path} does not exist")
                     if size != record.bytes:
