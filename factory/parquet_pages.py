@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
-from pyarrow import _parquet
+import pyarrow.parquet as pq
 
 from factory.parquet_concat import (_I16, _I64, _LIST, _STRUCT, MAGIC, ConcatRefused, _put_varint, _put_zigzag, _skip,
                                     _varint, read_footer, write_struct)
@@ -46,6 +46,13 @@ from factory.parquet_concat import (_I16, _I64, _LIST, _STRUCT, MAGIC, ConcatRef
 DEFAULT_ROW_GROUP_ROWS = 256
 _NUM_ROWS_HEADER = 0x10 | _I64  # FileMetaData.num_rows (field 3) right after field 2
 _ROW_GROUPS_HEADER = 0x10 | _LIST  # FileMetaData.row_groups (field 4) right after field 3
+
+
+def _parse_footer(footer: bytes | bytearray) -> pq.FileMetaData:
+    """pyarrow's reading of a FileMetaData footer (Thrift bytes), through the public reader: the bytes framed as a
+    file with no data pages."""
+    framed = b"".join((MAGIC, footer, len(footer).to_bytes(4, "little"), MAGIC))
+    return pq.read_metadata(pa.BufferReader(framed))
 
 
 def _field_spans(buf: bytes) -> list[tuple[int, int, int]]:
@@ -138,7 +145,7 @@ class PageMerge:
             out = bytearray()
             write_struct(out, head)
             self._head.append(bytes(out[:-1]))  # without the end of struct: more fields follow
-        metadata = _parquet._reconstruct_filemetadata(pa.py_buffer(buf))
+        metadata = _parse_footer(buf)
         columns = metadata.row_group(0)
         for index in range(metadata.num_columns):
             column = columns.column(index)
@@ -199,7 +206,7 @@ class PageMerge:
         synthetic += b"".join(self._pending_groups)
         synthetic.append(0)
         try:  # every member's row groups, parsed in one go
-            metadata = _parquet._reconstruct_filemetadata(pa.py_buffer(synthetic))
+            metadata = _parse_footer(synthetic)
         except (OSError, pa.ArrowException) as error:
             raise ConcatRefused(f"the footers of {self._pending[0][4]} .. {self._pending[-1][4]} cannot be read: {error}") from None
         if metadata.num_row_groups != self._pending_count:
