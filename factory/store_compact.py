@@ -16,9 +16,11 @@ says where a shard's rows are now.
 Steps (each safe to be killed after):
 1. the merged file is written under a hidden temporary name and fsynced, with
    its directory; the members are read only after their size and sha256 are
-   checked against the log. It is the members' row groups copied as they are
-   (pages not decoded: factory/parquet_concat.py), one or more per member, or,
-   where they cannot be copied (see `compact_run`), their rows re-encoded;
+   checked against the log. Nothing is decoded where it can be helped: small
+   members' pages are gathered into row groups of many members
+   (factory/parquet_pages.py), large members' row groups copied as they are
+   (factory/parquet_concat.py); where neither is possible (see `compact_run`),
+   their rows are re-encoded;
 2. under the run's lock, the members are checked to be still committed as they
    were (not replaced meanwhile), and the record is appended (the commit point:
    a checked line, fsynced; see commit_log.py);
@@ -43,8 +45,9 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,6 +58,7 @@ import pyarrow.parquet as pq
 
 from factory.commit_log import encode_line, fsync_dir
 from factory.parquet_concat import ConcatRefused, ParquetConcat
+from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
 from factory.store import (PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError, _sha256,
                            _write_failure)
@@ -63,10 +67,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_BYTES = 256 << 20
 COPY_MIN_SHARD_BYTES = 1 << 20
-"""Copy row groups only where the members average this many bytes: smaller shards are re-encoded into row groups
-of `row_group_groups` groups. Copied, each member keeps its own row groups (one or more), and a file of thousands
-of ~36 kB row groups has a footer of ~3.5 kB per row group that every open parses (~7 MB for 2,000 shards): measured
-on such a file, run-api drained ~1.5 batches/s instead of ~100 and exports ran 5-8x slower (bench/RESULTS.md)."""
+"""Copy row groups only where the members average this many bytes: smaller shards' pages are gathered into row
+groups of `row_group_groups` groups (or, where they cannot be, their rows re-encoded). Copied, each member keeps its
+own row groups (one or more), and a file of thousands of ~36 kB row groups has a footer of ~3.5 kB per row group that
+every open parses (~7 MB for 2,000 shards): measured on such a file, run-api drained ~1.5 batches/s instead of ~100
+and exports ran 5-8x slower (bench/RESULTS.md)."""
+METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
 OLD_WRITER_WINDOW = 64 << 10
@@ -87,6 +93,8 @@ class CompactReport:
     """Why a batch of shards was left as it was (replaced meanwhile, damaged)."""
     copied: int = 0
     """Merged files written by copying the members' row groups (factory/parquet_concat.py)."""
+    paged: int = 0
+    """Merged files written by gathering the members' pages into larger row groups (factory/parquet_pages.py)."""
     decoded: list[str] = field(default_factory=list)
     """Why a merged file was written by decoding and re-encoding its members instead (one entry per file)."""
 
@@ -144,22 +152,32 @@ def compact_run(
     progress: Callable[[str], None] | None = None,
     copy: bool | None = None,
     copy_min_shard_bytes: int = COPY_MIN_SHARD_BYTES,
+    method: str | None = None,
 ) -> CompactReport:
     """Merge the run's shards into files of about `target_bytes` (see the module docstring).
 
-    A merged file is the members' row groups copied as they are, pages not decoded (factory/parquet_concat.py),
-    where the members average at least `copy_min_shard_bytes` (`copy=None`, the default) or always (`copy=True`);
-    otherwise, or where copying is refused (members of different schemas or writers, something unexpected in a
-    footer: logged), the members are decoded and re-encoded in row groups of `row_group_groups` groups
-    (`copy=False`: always). Either way a member's rows are the same rows of the merged file."""
+    How a merged file is written (`method`; by default chosen per file):
+    - "row_groups": the members' row groups copied as they are (factory/parquet_concat.py), the default where the
+      members average at least `copy_min_shard_bytes`;
+    - "pages": the members' pages gathered, not decoded, into row groups of at least `row_group_groups` groups
+      (factory/parquet_pages.py), the default for smaller members;
+    - "decode": the members decoded and re-encoded in row groups of `row_group_groups` groups; also wherever the
+      first two are refused (members of different schemas or writers, dictionary pages as in shards written before
+      PARQUET_OPTIONS turned dictionaries off, something unexpected in a footer: logged).
+    `copy=True` / `copy=False` are the older spellings of "row_groups" / "decode". Either way a member's rows are
+    the same rows of the merged file."""
+    if method is None and copy is not None:
+        method = "row_groups" if copy else "decode"
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
     if not store.commit_log(run_id).is_file():
         raise StoreError(f"run {run_id} has no commit log at {store.commit_log(run_id)}; check the store root and the run id")
     check_writers_are_current(store, run_id)
     report = CompactReport(run_id)
     start = time.perf_counter()
     for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
-        copying = copy if copy is not None else sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch)
-        name = _merge(store, run_id, batch, row_group_groups, report, copying)
+        how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
+        name = _merge(store, run_id, batch, row_group_groups, report, how)
         if name and progress:
             progress(f"{run_id}: merged {len(batch)} shards into {name}")
     report.seconds = time.perf_counter() - start
@@ -167,7 +185,7 @@ def compact_run(
 
 
 def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport,
-           copy: bool = True) -> str | None:
+           how: str = "pages") -> str | None:
     shards = store.shards_dir(run_id)
     name = f"compact-{Path(batch[0].shard).stem}-{uuid.uuid4().hex[:8]}.parquet"
     tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
@@ -175,14 +193,18 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     try:
         try:
             checksum: str | None = None
-            refused = "shards too small to copy their row groups" if not copy else None
-            if copy:
+            refused = "asked to decode" if how == "decode" else None
+            if how != "decode":
                 try:
-                    rows, problem, checksum = _write_concatenated(shards, tmp, batch)
+                    if how == "row_groups":
+                        rows, problem, checksum = _write_concatenated(shards, tmp, batch)
+                    else:
+                        rows, problem, checksum = _write_pages(shards, tmp, batch, row_group_groups)
                 except ConcatRefused as error:
                     refused = str(error)
-                    logger.warning("run %s: merging %d shards (first %s) by decoding them: their row groups cannot be "
-                                   "copied as they are: %s", run_id, len(batch), batch[0].shard, refused)
+                    logger.warning("run %s: merging %d shards (first %s) by decoding them: their %s cannot be copied "
+                                   "as they are: %s", run_id, len(batch), batch[0].shard,
+                                   "row groups" if how == "row_groups" else "pages", refused)
             if refused is not None:
                 rows, problem = _write_merged(shards, tmp, batch, row_group_groups)
             if problem:
@@ -225,8 +247,10 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
         if not logged:
             tmp.unlink(missing_ok=True)
     report.files.append(name)
-    if refused is None:
+    if refused is None and how == "row_groups":
         report.copied += 1
+    elif refused is None:
+        report.paged += 1
     else:
         report.decoded.append(refused)
     report.shards += len(batch)
@@ -288,6 +312,93 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
         concat.finish()
         handle.flush()
         os.fsync(handle.fileno())
+    return rows, None, digest.hexdigest()
+
+
+def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_groups: int) -> tuple[int, str | None, str | None]:
+    """Write the members' rows, in order, to `tmp`, their pages gathered into row groups of at least
+    `row_group_groups` rows (factory/parquet_pages.py); (rows, None, sha256 of `tmp`) or (0, why a member cannot be
+    merged, None). Raises `ConcatRefused` where the pages cannot be gathered as they are.
+
+    Each member is read with one read of its whole file and checked against the log's size and sha256 (the same
+    checks, and the same reasons, as `ShardStore._check`); only its footer is parsed. Hashing the members, and
+    hashing and writing the output, run on a second thread (hashlib and os.write let go of the GIL) while the
+    next members' footers are parsed; a member found damaged only after it was written leaves `tmp` to be removed
+    like any other unfinished merge."""
+    digest = hashlib.sha256()
+    rows = 0
+    written: list[Any] = []
+    unchecked: list[tuple[bytes, CommitRecord, Path]] = []
+    jobs: deque[Future[str | None]] = deque()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+
+    def write(pieces: list[Any]) -> None:
+        for piece in pieces:
+            digest.update(piece)
+            view = memoryview(piece)
+            while view:  # a short write goes on where it stopped
+                view = view[os.write(fd, view):]
+
+    def check(members: list[tuple[bytes, CommitRecord, Path]]) -> str | None:
+        for data, record, path in members:
+            if hashlib.sha256(data).hexdigest() != record.sha256:
+                return f"shard {path}: sha256 differs from the commit log (corrupt)"
+        return None
+
+    def submit(keep: int) -> str | None:
+        """Hand what is gathered to the second thread; wait until at most `keep` jobs are outstanding."""
+        if unchecked:
+            jobs.append(hasher.submit(check, unchecked[:]))
+            unchecked.clear()
+        if written:  # PageMerge appends to this very list
+            jobs.append(hasher.submit(write, written[:]))
+            written.clear()
+        while len(jobs) > keep:
+            problem = jobs.popleft().result()
+            if problem:
+                return problem
+        return None
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="compact-pages") as hasher:
+            try:
+                merge = PageMerge(written.append, row_group_groups)
+                for record in batch:
+                    path = shards / record.shard
+                    try:
+                        member = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except FileNotFoundError:
+                        return 0, f"shard {path}: missing", None
+                    try:
+                        data = os.read(member, record.bytes + 1)
+                        while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
+                            more = os.read(member, record.bytes + 1 - len(data))
+                            if not more:
+                                break
+                            data += more
+                    finally:
+                        os.close(member)
+                    if len(data) != record.bytes:
+                        return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+                    unchecked.append((data, record, path))
+                    held = merge.add(data, str(path))
+                    if held != record.rows:
+                        return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+                    rows += held
+                    if len(unchecked) >= 64 or written:
+                        problem = submit(8)
+                        if problem:
+                            return 0, problem, None
+                merge.finish()
+            except ConcatRefused:
+                if problem := submit(0):  # a damaged member, not a refusal: say so
+                    return 0, problem, None
+                raise
+            if problem := submit(0):
+                return 0, problem, None
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return rows, None, digest.hexdigest()
 
 

@@ -3,8 +3,9 @@ stores of many small shards, before and after compaction.
 
     python -m bench.shards.scale --shards 10000 100000       # each size in turn (~15 kB shards: 10 groups of 4 x 64)
     python -m bench.shards.scale --smoke                      # 300 shards, seconds
-    python -m bench.shards.scale --compare                    # compaction MB/s: copying row groups vs decoding
+    python -m bench.shards.scale --compare                    # compaction MB/s: gathering pages, copying row groups, decoding
     python -m bench.shards.scale --compare --smoke            # the same on a few shards, seconds
+    python -m bench.shards.scale --shards 2000 --compact-by pages   # serving etc. after one way of compacting
 
 A store is built synthetically (shards written and logged directly, like `ShardStore.commit` minus the per-shard
 fsync, which only makes building slow); each measurement runs in its own process (a cold start, as a restart is).
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import resource
 import shutil
 import statistics
@@ -143,13 +145,13 @@ def measure_viewer(root: str) -> dict:
     return {"viewer_first_page_s": time.perf_counter() - begin, "viewer_rows": len(rows), "viewer_pending": index.pending}
 
 
-def compact(root: str, target_mb: float, copy: bool | None = None) -> dict:
+def compact(root: str, target_mb: float, method: str | None = None) -> dict:
     from factory.store import ShardStore
     from factory.store_compact import compact_run
 
-    report = compact_run(ShardStore(root), RUN, target_bytes=int(target_mb * (1 << 20)), flush=True, copy=copy)
+    report = compact_run(ShardStore(root), RUN, target_bytes=int(target_mb * (1 << 20)), flush=True, method=method)
     return {"compact_s": report.seconds, "compact_mb_per_s": report.mb_per_s, "compact_files": len(report.files),
-            "copied_files": report.copied,
+            "copied_files": report.copied, "paged_files": report.paged, "decoded": report.decoded[:1],
             "compact_shards": report.shards, "bytes_in": report.bytes_in, "bytes_out": report.bytes_out}
 
 
@@ -165,10 +167,14 @@ def compaction_throughput(root: str, groups: int, chunk: int, target_mb: float) 
             "compact_s": report.seconds, "compact_mb_per_s": report.mb_per_s, "write_mb_per_s": written["bytes"] / 1e6 / written["seconds"]}
 
 
+MODES = {"pages": "pages", "copy": "row_groups", "decode": "decode"}
+"""--compare's trials: bench name -> compact_run method."""
+
+
 def compaction_compare(scratch: str, small_shards: int, large_groups: int, large_chunk: int, pairs: int,
                        target_mb: float) -> list[dict]:
-    """Compaction MB/s by copying row groups vs by decoding, on the same shards, interleaved (copy, decode,
-    decode, copy, ...), each trial on a fresh copy of one pristine store: small shards (`build_store`'s
+    """Compaction MB/s by gathering pages, by copying row groups and by decoding, on the same shards, interleaved
+    (each round in another order), each trial on a fresh copy of one pristine store: small shards (`build_store`'s
     ~36 kB, 10 groups of 4 x 64 tokens) and large ones (`large_chunk` groups of 8 x 1024 tokens each)."""
     from bench.shards.run import store_write
     from factory.store import ShardStore
@@ -184,21 +190,23 @@ def compaction_compare(scratch: str, small_shards: int, large_groups: int, large
         else:
             store_write(str(pristine), large_groups, 8, 1024, large_chunk)
             run = "bench"
-        records = list(ShardStore(pristine).committed(run).values())
+        records = list(ShardStore(pristine).committed(run).values())  # and checkpoints the manifest, as a live store has
         mb = sum(r.bytes for r in records) / 1e6
-        trials: dict[str, list[float]] = {"copy": [], "decode": []}
+        trials: dict[str, list[float]] = {mode: [] for mode in MODES}
+        orders = [list(MODES), list(reversed(MODES))]
         for pair in range(pairs):
-            for mode in (("copy", "decode") if pair % 2 == 0 else ("decode", "copy")):
+            for mode in orders[pair % 2]:
                 work = Path(scratch) / f"work-{size}"
                 shutil.rmtree(work, ignore_errors=True)
                 shutil.copytree(pristine, work)
                 report = compact_run(ShardStore(work), run, target_bytes=int(target_mb * (1 << 20)), flush=True,
-                                     copy=mode == "copy")
-                assert report.shards == len(records) and (report.copied == len(report.files)) == (mode == "copy"), report
+                                     method=MODES[mode])
+                done = {"pages": report.paged, "copy": report.copied, "decode": len(report.decoded)}[mode]
+                assert report.shards == len(records) and done == len(report.files), report
                 trials[mode].append(report.mb_per_s)
                 shutil.rmtree(work, ignore_errors=True)
         row = {"size": size, "shards": len(records), "mb": mb, "shard_kb": mb * 1e3 / len(records),
-               "copy_mb_per_s": trials["copy"], "decode_mb_per_s": trials["decode"]}
+               **{f"{mode}_mb_per_s": trials[mode] for mode in MODES}}
         if size == "small":
             row.update(_per_file_costs(pristine, run, records))
         shutil.rmtree(pristine, ignore_errors=True)
@@ -207,31 +215,51 @@ def compaction_compare(scratch: str, small_shards: int, large_groups: int, large
 
 
 def _per_file_costs(root: Path, run: str, records: list) -> dict:
-    """Microseconds per member shard of the copy path's parts: open + read + sha256, and the footer's parse and
-    rewrite (`ParquetConcat.add`, data held in memory, output discarded)."""
+    """Microseconds per member shard of the no-decode paths' parts: open + read, sha256 of the member, the row-group
+    copy's footer parse and rewrite (`ParquetConcat.add`), the page merge's footer work and gathering (`PageMerge`,
+    data in memory, output discarded) and the sha256 of what it writes."""
     import hashlib
     import io
 
     from factory.parquet_concat import ParquetConcat
+    from factory.parquet_pages import PageMerge
     from factory.store import ShardStore
 
     shards = ShardStore(root).shards_dir(run)
     begin = time.perf_counter()
     blobs = []
     for record in records:
-        with open(shards / record.shard, "rb") as handle:
-            data = handle.read()
-        hashlib.sha256(data).hexdigest()
-        blobs.append(data)
+        fd = os.open(shards / record.shard, os.O_RDONLY)
+        try:
+            blobs.append(os.read(fd, record.bytes + 1))
+        finally:
+            os.close(fd)
     read_us = (time.perf_counter() - begin) / len(records) * 1e6
+    begin = time.perf_counter()
+    for data in blobs:
+        hashlib.sha256(data).hexdigest()
+    hash_us = (time.perf_counter() - begin) / len(records) * 1e6
     concat = ParquetConcat(io.BytesIO())
     begin = time.perf_counter()
     for data in blobs:
         concat.add(data)
     concat.finish()
     footer_us = (time.perf_counter() - begin) / len(records) * 1e6
+    pieces: list = []
+    merge = PageMerge(pieces.append)
+    begin = time.perf_counter()
+    for data in blobs:
+        merge.add(data)
+    merge.finish()
+    pages_us = (time.perf_counter() - begin) / len(records) * 1e6
+    digest = hashlib.sha256()
+    begin = time.perf_counter()
+    for piece in pieces:
+        digest.update(piece)
+    out_hash_us = (time.perf_counter() - begin) / len(records) * 1e6
     footer = int.from_bytes(blobs[0][-8:-4], "little")
-    return {"read_hash_us_per_file": read_us, "footer_us_per_file": footer_us, "footer_bytes_per_shard": footer}
+    return {"read_us_per_file": read_us, "hash_us_per_file": hash_us, "footer_us_per_file": footer_us,
+            "pages_us_per_file": pages_us, "out_hash_us_per_file": out_hash_us, "footer_bytes_per_shard": footer}
 
 
 def _rss() -> float:
@@ -243,7 +271,7 @@ def _isolated(function, *args) -> dict:
         return pool.apply(function, args)
 
 
-def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, copy: bool | None = None) -> list[dict]:
+def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None) -> list[dict]:
     call = _isolated if isolate else (lambda f, *a: f(*a))
     root = scratch / f"store-{shards}"
     shutil.rmtree(root, ignore_errors=True)
@@ -253,7 +281,7 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, copy: 
     next_chunk = 0
     for phase in ("before", "after"):
         if phase == "after":
-            done = call(compact, str(root), target_mb, copy)
+            done = call(compact, str(root), target_mb, method)
             print(f"# compaction: {json.dumps(done)}", flush=True)
         state = str(scratch / f"state-{shards}.sqlite")
         if phase == "before":
@@ -293,12 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--throughput", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=None,
                         help="only measure compaction MB/s on GROUPS groups of 8 x 1024 tokens, CHUNK groups per shard")
     parser.add_argument("--compare", action="store_true",
-                        help="only compaction MB/s, copying row groups vs decoding, interleaved, on small and large shards")
-    parser.add_argument("--pairs", type=int, default=3, help="--compare: (copy, decode) pairs per shard size")
+                        help="only compaction MB/s, gathering pages vs copying row groups vs decoding, interleaved, on small and large shards")
+    parser.add_argument("--pairs", type=int, default=3, help="--compare: rounds of (pages, copy, decode) per shard size")
     parser.add_argument("--small-shards", type=int, default=3000, help="--compare: ~36 kB shards merged")
     parser.add_argument("--large", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=[2000, 200],
                         help="--compare: GROUPS groups of 8 x 1024 tokens in shards of CHUNK groups (~15 MB at 200)")
-    parser.add_argument("--compact-by", choices=["auto", "copy", "decode"], default="auto",
+    parser.add_argument("--compact-by", choices=["auto", "pages", "copy", "decode"], default="auto",
                         help="how the shards are merged: compact_run's choice by shard size, or always one way")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -311,17 +339,20 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             if not args.dir:
                 shutil.rmtree(scratch, ignore_errors=True)
-        print("\n| shards | count | MB | kB/shard | copy MB/s (each) | decode MB/s (each) | copy / decode |")
-        print("|---|---:|---:|---:|---|---|---:|")
+        print("\n| shards | count | MB | kB/shard | pages MB/s (each) | copy MB/s (each) | decode MB/s (each) "
+              "| pages / decode | copy / decode |")
+        print("|---|---:|---:|---:|---|---|---|---:|---:|")
         for r in rows:
-            copy, decode = statistics.median(r["copy_mb_per_s"]), statistics.median(r["decode_mb_per_s"])
-            print(f"| {r['size']} | {r['shards']:,} | {r['mb']:.1f} | {r['shard_kb']:.1f} | {copy:.1f} "
-                  f"({', '.join(f'{v:.1f}' for v in r['copy_mb_per_s'])}) | {decode:.1f} "
-                  f"({', '.join(f'{v:.1f}' for v in r['decode_mb_per_s'])}) | {copy / decode:.1f}x |")
+            median = {mode: statistics.median(r[f"{mode}_mb_per_s"]) for mode in MODES}
+            cells = " | ".join(f"{median[mode]:.1f} ({', '.join(f'{v:.1f}' for v in r[f'{mode}_mb_per_s'])})" for mode in MODES)
+            print(f"| {r['size']} | {r['shards']:,} | {r['mb']:.1f} | {r['shard_kb']:.1f} | {cells} | "
+                  f"{median['pages'] / median['decode']:.1f}x | {median['copy'] / median['decode']:.1f}x |")
         small = rows[0]
-        print(f"\nsmall shards, per file on the copy path: open + read + sha256 {small['read_hash_us_per_file']:.0f} us, "
-              f"footer parse + rewrite {small['footer_us_per_file']:.0f} us (footer {small['footer_bytes_per_shard']} bytes "
-              f"of {small['shard_kb'] * 1e3:.0f})")
+        print(f"\nsmall shards, per file, in one process, data in memory: open + read {small['read_us_per_file']:.0f} us, "
+              f"sha256 {small['hash_us_per_file']:.0f} us; page merge {small['pages_us_per_file']:.0f} us + sha256 of its "
+              f"output {small['out_hash_us_per_file']:.0f} us; row-group copy's footer parse + rewrite "
+              f"{small['footer_us_per_file']:.0f} us (footer {small['footer_bytes_per_shard']} bytes of "
+              f"{small['shard_kb'] * 1e3:.0f})")
         if args.json_out:
             with open(args.json_out, "a") as out:
                 for row in rows:
@@ -340,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for shards in args.shards:
             rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke,
-                             copy={"auto": None, "copy": True, "decode": False}[args.compact_by])
+                             method=None if args.compact_by == "auto" else MODES[args.compact_by])
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -123,7 +123,7 @@ def test_compaction_refuses_a_run_an_old_version_still_writes(tmp_path):
     assert len(ids(ShardStore(tmp_path), "r")) == 15
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", ["row_groups", "pages", "decode"])
 def test_served_groups_stay_served_after_compaction_and_restart(tmp_path, copy):
     def batch_ids(body: bytes) -> list[str]:
         data = orjson.loads(body)
@@ -140,7 +140,7 @@ def test_served_groups_stay_served_after_compaction_and_restart(tmp_path, copy):
         for _ in range(4):
             served += batch_ids((await service.next_batch(False)).raw)
         await service.stop()
-        compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30, copy=copy)
+        compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30, method=copy)
         assert len(list((tmp_path / "gen" / "shards").glob("*.parquet"))) == 1
         service = BatchService(cfg)
         await service.start()
@@ -164,7 +164,7 @@ def test_served_groups_stay_served_after_compaction_and_restart(tmp_path, copy):
 KILL_POINTS = ["written", "logged", "renamed", "removing"]
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", ["row_groups", "pages", "decode"])
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point, copy):
     store = ShardStore(tmp_path)
@@ -178,7 +178,7 @@ def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path
             if point == {point!r}:
                 os.kill(os.getpid(), signal.SIGKILL)
         compact._reached = die
-        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30, copy={copy!r})
+        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30, method={copy!r})
     """)
     result = subprocess.run([sys.executable, "-c", child], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             capture_output=True, timeout=120)
@@ -192,7 +192,7 @@ def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path
     assert ids(ShardStore(tmp_path), "r") == ids(fresh, "r") and len(ids(fresh, "r")) == 45
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", ["row_groups", "pages", "decode"])
 def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monkeypatch, copy):
     store = ShardStore(tmp_path)
     fill(store, "r", 5)
@@ -202,9 +202,10 @@ def test_full_disk_during_compaction_leaves_every_group_readable(tmp_path, monke
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("factory.store_compact._write_concatenated" if copy else "factory.store_compact._write_merged", full)
+    writer = {"row_groups": "_write_concatenated", "pages": "_write_pages", "decode": "_write_merged"}[copy]
+    monkeypatch.setattr(f"factory.store_compact.{writer}", full)
     with pytest.raises(StoreError, match="disk is full"):
-        compact_run(store, "r", copy=copy)
+        compact_run(store, "r", method=copy)
     assert ids(ShardStore(tmp_path), "r") == before
     assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.endswith(".tmp")]
 
@@ -226,7 +227,7 @@ def test_compact_task_function_and_cli(tmp_path, capsys):
     assert len(list((tmp_path / "b" / "shards").glob("*.parquet"))) == 1
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", ["row_groups", "pages", "decode"])
 def test_viewer_index_reads_the_same_rows_before_and_after_compaction(tmp_path, copy):
     from factory.viewer.index import RunIndex
 
@@ -241,9 +242,9 @@ def test_viewer_index_reads_the_same_rows_before_and_after_compaction(tmp_path, 
         return {row["group_id"]: row["item_key"] for row in payload}
 
     before = rows(index)
-    # Copied: a row group per shard; decoded: shards straddle row groups.
-    report = compact_run(store, "r", target_bytes=1 << 30, row_group_groups=3, copy=copy)
-    assert report.copied == (1 if copy else 0)
+    # Copied: a row group per shard; pages: two shards per row group; decoded: shards straddle row groups.
+    report = compact_run(store, "r", target_bytes=1 << 30, row_group_groups=7, method=copy)
+    assert (report.copied, report.paged) == {"row_groups": (1, 0), "pages": (0, 1), "decode": (0, 0)}[copy]
     index.refresh()  # live: the compaction re-indexes its shards from the merged file
     assert rows(index) == before and len(before) == 30 and not index.problems
     fresh = RunIndex(ShardStore(tmp_path), "r")
@@ -287,21 +288,41 @@ def test_a_copied_file_holds_each_shard_as_its_own_row_groups(tmp_path):
             [g.group_id for g in synthetic_groups(record.rows, start=record.chunk * 100, group_size=2, seq_len=8)]
 
 
-def test_small_shards_are_re_encoded_and_large_ones_copied_by_default(tmp_path):
+def test_small_shards_are_merged_page_by_page_and_large_ones_copied_by_default(tmp_path):
     store = ShardStore(tmp_path)
     fill(store, "r", 4)
     records = store.committed("r")
     mean = sum(r.bytes for r in records.values()) // len(records)
     fill(store, "s", 4)
-    assert compact_run(store, "r", target_bytes=1 << 30, copy_min_shard_bytes=mean + 1).decoded == [
-        "shards too small to copy their row groups"]
+    report = compact_run(store, "r", target_bytes=1 << 30, copy_min_shard_bytes=mean + 1)
+    assert report.paged == 1 and not report.decoded and not report.copied
     assert compact_run(store, "s", target_bytes=1 << 30, copy_min_shard_bytes=mean - 1000).copied == 1
     assert ids(ShardStore(tmp_path), "r") == ids(ShardStore(tmp_path), "s")
+    (path,) = ShardStore(tmp_path).shard_paths("r")
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1  # 20 groups: one row group, not one per shard
+
+
+def test_shards_with_dictionary_pages_are_merged_by_decoding(tmp_path, monkeypatch, caplog):
+    """Shards written before PARQUET_OPTIONS turned dictionaries off cannot be merged page by page: decoded."""
+    import factory.store as store_module
+
+    store = ShardStore(tmp_path)
+    monkeypatch.setitem(store_module.PARQUET_OPTIONS, "use_dictionary", ["group_id", "run_id", "env"])
+    fill(store, "r", 2)
+    monkeypatch.undo()
+    fill(store, "r", 2, start=2)
+    before = ids(store, "r")
+    with caplog.at_level("WARNING", logger="factory.store_compact"):
+        report = compact_run(store, "r", target_bytes=1 << 30)
+    assert report.paged == 0 and len(report.decoded) == 1 and "dictionary" in report.decoded[0]
+    assert "their pages cannot be copied" in caplog.text
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before and fresh.verify("r") == []
 
 
 @pytest.mark.parametrize("where", ["pages", "footer"])
-@pytest.mark.parametrize("threaded", [True, False])
-def test_a_damaged_shard_is_found_by_the_copy_and_its_batch_left_as_it_was(tmp_path, monkeypatch, where, threaded):
+@pytest.mark.parametrize("threaded,method", [(True, "row_groups"), (False, "row_groups"), (True, "pages")])
+def test_a_damaged_shard_is_found_by_the_copy_and_its_batch_left_as_it_was(tmp_path, monkeypatch, where, threaded, method):
     if threaded:  # checked on the second thread while being copied
         monkeypatch.setattr("factory.store_compact.PARALLEL_HASH_BYTES", 0)
     store = ShardStore(tmp_path)
@@ -310,7 +331,7 @@ def test_a_damaged_shard_is_found_by_the_copy_and_its_batch_left_as_it_was(tmp_p
     data = bytearray(path.read_bytes())
     data[100 if where == "pages" else len(data) - 40] ^= 0xFF  # same size, other bytes
     path.write_bytes(bytes(data))
-    report = compact_run(store, "r", target_bytes=1 << 30, copy=True)
+    report = compact_run(store, "r", target_bytes=1 << 30, method=method)
     assert report.files == [] and "sha256 differs from the commit log (corrupt)" in report.skipped[0]
     assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
     assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
