@@ -303,8 +303,9 @@ class ObjectShardStore:
         with self._lock:
             cached = self._runs.setdefault(run_id, _RunRecords())
             try:
-                records = [_parse(data) for _, data in self._list_new(f"{self._run(run_id)}/commits", cached.records)] if commits else []
-                compactions = [json.loads(data) for _, data in self._list_new(f"{self._run(run_id)}/compactions", cached.compactions)]
+                run = self._run(run_id)
+                records = [_parse(data) for _, data in self._list_new(f"{run}/commits", cached.records)] if commits else []
+                compactions = [json.loads(data) for _, data in self._list_new(f"{run}/compactions", cached.compactions)]
             except OSError as error:
                 raise self._fail(f"listing the commits of {run_id}", error) from None
             for compaction in sorted(compactions, key=lambda c: (c["committed_at"], c["compact"])):
