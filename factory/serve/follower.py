@@ -6,6 +6,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.store import StoreError
+from factory.store import CommitRecord, StoreError
 
 if TYPE_CHECKING:
     from factory.store_object import StoreReader
@@ -80,16 +81,22 @@ class IndexCache:
         self.files = files
         self.filesystem = filesystem
         self._tables: OrderedDict[Path | str, pa.Table] = OrderedDict()
+        self.preloaded: dict[Path | str, pa.Table] = {}
+        """Index columns read ahead (concurrently, see `scan_new_shards`), each used once."""
+
+    def _read(self, path: Path | str) -> pa.Table:
+        table = self.preloaded.pop(path, None)
+        return table if table is not None else read_index(path, self.filesystem)
 
     def rows(self, path: Path | str, offset: int, rows: int) -> pa.Table:
         if offset == 0 and path not in self._tables:
-            table = read_index(path, self.filesystem)
+            table = self._read(path)
             if table.num_rows == rows:
                 return table
         else:
             table = self._tables.get(path)
             if table is None:
-                table = read_index(path, self.filesystem)
+                table = self._read(path)
         self._tables[path] = table
         self._tables.move_to_end(path)
         while len(self._tables) > self.files:
@@ -143,7 +150,10 @@ def scan_new_shards(
         """Shards to look at again next scan: unreadable ones, and those returned now (until the caller knows them:
         a caller that could not index one finds it again)."""
         finished = False
-        for record in {r.shard: r for r in pending + changed}.values():
+        records = list({r.shard: r for r in pending + changed}.values())
+        if store.filesystem is not None:  # an object store: every look is a request, so make them concurrently
+            _read_ahead(store, run_id, [r for r in records if (run_id, r.shard) not in known and not r.file], sizes, indexes)
+        for record in records:
             name = record.shard
             if (run_id, name) in known:
                 if moved is not None and record.file:
@@ -183,3 +193,28 @@ def scan_new_shards(
             again.add(name)
         cursors[run_id] = (cursor, again)
     return found
+
+
+READ_AHEAD_THREADS = 16
+"""Concurrent requests for the sizes and index columns of new shards on an object store (a cold start reads every
+shard not yet compacted)."""
+
+
+def _read_ahead(store: StoreReader, run_id: str, records: list[CommitRecord], sizes: dict[Path | str, int | None],
+                indexes: IndexCache) -> None:
+    """Fill `sizes` and `indexes.preloaded` for `records`' own files, READ_AHEAD_THREADS at a time. A file that
+    cannot be read is left out: the scan looks at it again in order, and reports it."""
+    paths = [store.shard_path(run_id, record.shard) for record in records]
+    if len(paths) < 2:
+        return
+
+    def look(path: Path | str) -> tuple[int | None, pa.Table] | None:
+        try:
+            return store.file_size(path), read_index(path, store.filesystem)
+        except (OSError, pa.ArrowException, StoreError):
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(READ_AHEAD_THREADS, len(paths))) as pool:
+        for path, got in zip(paths, pool.map(look, paths)):
+            if got is not None:
+                sizes[path], indexes.preloaded[path] = got

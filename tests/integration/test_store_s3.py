@@ -196,3 +196,30 @@ def test_run_api_on_an_object_store_asks_for_a_local_state_path(bucket, capsys):
     assert main(["--store_root", f"s3://{bucket[1]}/store", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "state_path" in err, err
+
+
+def test_a_damaged_shard_object_is_left_out_of_serving_and_the_rest_served(bucket, tmp_path):
+    fs, name = bucket
+    url = f"s3://{name}/store"
+    store = open_store(url)
+    groups = list(synthetic_groups(30, group_size=2, seq_len=8, env="e"))
+    for chunk in range(3):
+        store.commit("gen", "w0", chunk, groups[chunk * 10:(chunk + 1) * 10])
+    record = store.record("gen", "w0-00000001.parquet")
+    with fs.open_output_stream(store.shard_path("gen", record.shard)) as out:  # same size, not Parquet
+        out.write(b"x" * record.bytes)
+    config = ServeConfig(store_root=url, state_path=str(tmp_path / "state.sqlite"), follow_runs=["gen"],
+                         follow_interval_s=0.05, batch_metadata=True)
+
+    async def scenario() -> list[str]:
+        service = BatchService(config)
+        await service.start()
+        await service.register(REGISTRATION)
+        served = await _drain(service, 20, timeout_s=5)
+        await asyncio.sleep(0.2)  # more polls: the damaged shard stays out
+        served += _ids((await service.next_batch(False)).raw)
+        await service.stop()
+        return served
+
+    served = asyncio.run(scenario())
+    assert sorted(served) == sorted(g.group_id for g in groups[:10] + groups[20:])
