@@ -85,7 +85,15 @@ def encode_groups(table: pa.Table, *, metadata: bool = False) -> list[bytes]:
 
 
 def batch_json(items: Sequence[bytes]) -> bytes:
-    return b'{"batch":[' + b",".join(items) + b"]}"
+    """The /batch body around `items`, made by one join: the body is the only copy (`prefix + b",".join(items) +
+    suffix` held three body-sized copies at once, ~21 MB for a 7 MB body, which set the drain's peak RSS)."""
+    parts = [b'{"batch":[']
+    for item in items:
+        parts += (item, b",")
+    if items:
+        parts.pop()
+    parts.append(b"]}")
+    return b"".join(parts)
 
 
 def batch_arrow(table: pa.Table, *, compress: bool = False) -> bytes:

@@ -699,8 +699,7 @@ class BatchService:
             else:
                 entries = self._form()
                 if entries is None:
-                    if not self.queue.groups and self._reader is not None and self._reader.clear():
-                        return_free_memory()  # drained: RSS goes back towards idle, not stay at the drain's peak
+                    self._drop_cache()
                     return BatchBody(NO_BATCH)
                 self.queue.reserve(entries)
                 try:
@@ -728,6 +727,7 @@ class BatchService:
                 return
             entries = self._form()
             if entries is None:
+                self._drop_cache()
                 return
             self.queue.reserve(entries)
             try:
@@ -737,6 +737,14 @@ class BatchService:
                 logger.exception("prefetching the next batch failed")
                 return
             self._prefetched = (entries, body)
+
+    def _drop_cache(self) -> None:
+        """No batch can be formed (the queue is empty, or holds less than a batch): the cached row groups would be
+        read again only after more groups arrive, so drop them and give the freed heap back to the OS; RSS then
+        goes back towards idle instead of staying at the drain's peak. Trims only when something was held, so a
+        trainer polling an empty queue costs nothing."""
+        if self._reader is not None and self._reader.clear():
+            return_free_memory()
 
     def _release_prefetch(self) -> None:
         if self._prefetched is not None:
