@@ -189,3 +189,18 @@ def test_a_drained_queue_drops_the_payload_cache(tmp_path):
         return held
 
     assert run(scenario()) == {}
+
+
+def test_less_than_a_batch_left_drops_the_payload_cache(tmp_path):
+    async def scenario():
+        service = await started(config(tmp_path, batch_metadata=True))
+        await service.register(REGISTRATION)
+        await service.ingest(list(synthetic_groups(5, group_size=4, seq_len=8)))  # two batches of 8, 4 sequences left
+        while batch_ids((await service.next_batch(False)).raw):
+            pass
+        held, queued = dict(service.reader._cache), service.queue.groups
+        await service.stop()
+        return held, queued
+
+    held, queued = run(scenario())
+    assert queued == 1 and held == {}  # no batch can be formed until more arrive: nothing is kept for it
