@@ -3,10 +3,13 @@
     python -m bench.serve.drain_rss                      # 1000 groups 1 per request, 2 interleaved pairs
     python -m bench.serve.drain_rss --groups 2000 --per-request 64 --pairs 3
     python -m bench.serve.drain_rss --smoke              # seconds: 32 groups of 8 x 128 tokens, one pair
+    python -m bench.serve.drain_rss --versus /tmp/base   # and ours from an older checkout (git archive), interleaved
     ATROPOS_VENV=/work/.venv-atropos python -m bench.serve.drain_rss
 
 Each round starts each server fresh (atropos, then ours), registers a trainer
-(batches of 256 sequences) and an env, waits 1 s and then reads the server's
+(batches of 256 sequences) and an env, waits 1 s (idle), posts and drains one
+batch of tiny groups (8 x 16 tokens; "idle after a first batch": what the
+first post loads is loaded, pyarrow on our side), and then reads the server's
 /proc/<pid>/status every 50 ms in a thread (VmRSS, VmHWM, RssAnon, RssFile,
 summed over the server's process tree) through three phases; at each phase's
 start the kernel's peak (VmHWM) is reset (/proc/<pid>/clear_refs), so each
@@ -18,7 +21,8 @@ phase's peak is exact, not only the largest 50 ms sample:
 - after: `--after` seconds with nothing to do.
 The table gives idle (just before ingest), the peaks of ingest and drain, RSS
 at the end of `after`, and two ratios within each server: drain peak / ingest
-peak (issue 29's bound: at most 1) and after-drain / idle (at most 1.2).
+peak (issue 29's bound: at most 1) and after-drain / idle (at most 1.2), also
+against the idle after a first batch.
 RssFile is the part backed by files (shared libraries, mostly): pages of a
 library loaded on the first post (pyarrow) stay resident until memory is
 short, so the RssAnon rows say how much of the heap came back.
@@ -137,8 +141,17 @@ def drain(url: str) -> int:
             sequences += sum(len(group["tokens"]) for group in batch)
 
 
-def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: float) -> dict[str, float]:
-    """One fresh server of `name` ('ours' or 'atropos'): its memory idle, through ingest, drain and `after_s` after."""
+def first_use(url: str) -> None:
+    """One batch's worth of tiny groups (8 x 16 tokens) posted and drained: what a first post loads gets loaded."""
+    small = [orjson.dumps(group) for group in make_groups(BATCH // GROUP_SIZE, start=10**6, seq_len=16)]
+    asyncio.run(post_all(url, small, "/scored_data", Load()))
+    drain(url)
+
+
+def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: float,
+            pythonpath: str | None = None) -> dict[str, float]:
+    """One fresh server of `name` ('ours' or 'atropos'): its memory idle, after a first batch of tiny groups, then
+    through ingest, drain and `after_s` after. `pythonpath`: ours from that checkout instead of this one."""
     made = make_groups(groups, seq_len=seq_len)
     payloads = [orjson.dumps(made[i] if per_request == 1 else made[i : i + per_request])
                 for i in range(0, groups, per_request)]
@@ -147,7 +160,10 @@ def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: flo
     with tempfile.TemporaryDirectory(prefix="bench-serve-memory-") as root:
         port = free_port()
         command = ours_command(port, root) if name == "ours" else atropos_command(port)
-        with ApiProcess(command, port, log_path=str(Path(root) / "api.log")) as api:
+        env = None
+        if pythonpath:  # -P: not the current directory (this checkout) ahead of PYTHONPATH
+            command, env = [command[0], "-P", *command[1:]], {"PYTHONPATH": pythonpath}
+        with ApiProcess(command, port, env=env, log_path=str(Path(root) / "api.log")) as api:
             trainer = TrainerClient(api.url, timeout=60)
             trainer.register(BATCH, max_token_len=seq_len * 2)
             trainer.batch()  # the trainer has started: envs may register
@@ -155,6 +171,9 @@ def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: flo
             time.sleep(1.0)
             with Timeline(api.process.pid) as timeline:
                 idle = timeline.sample()
+                first_use(api.url)
+                time.sleep(1.0)
+                loaded = timeline.sample()
                 timeline.enter("ingest")
                 asyncio.run(post_all(api.url, payloads, path, Load()))
                 timeline.enter("drain")
@@ -167,6 +186,7 @@ def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: flo
     ingest_peak, drain_peak = timeline.peak("ingest"), timeline.peak("drain")
     return {
         "RSS MiB idle": idle["VmRSS"],
+        "RSS MiB idle after a first batch": loaded["VmRSS"],
         "RSS MiB peak during ingest": ingest_peak,
         "RSS MiB peak during drain": drain_peak,
         f"RSS MiB {after_s:g} s after the drain": end["VmRSS"],
@@ -178,20 +198,23 @@ def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: flo
         f"RssFile MiB {after_s:g} s after the drain": end["RssFile"],
         "drain peak / ingest peak, within the server": drain_peak / ingest_peak,
         "after drain / idle, within the server": end["VmRSS"] / idle["VmRSS"],
+        "after drain / idle after a first batch, within the server": end["VmRSS"] / loaded["VmRSS"],
         "RssAnon after drain / idle, within the server": end["RssAnon"] / idle["RssAnon"],
     }
 
 
 def print_within(result, after_s: float) -> None:
     """Issue 29's two bounds, per server and round (ratios within one server, not between them)."""
-    print("\n| server | round | drain peak / ingest peak (<= 1) | after drain / idle (<= 1.2) | RssAnon after / idle |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| server | round | drain peak / ingest peak (<= 1) | after drain / idle (<= 1.2) "
+          "| after drain / idle after a first batch | RssAnon after / idle |")
+    print("|---|---:|---:|---:|---:|---:|")
     for side in result.sides:
         values = result.values[side]
-        for i, (a, b, c) in enumerate(zip(values["drain peak / ingest peak, within the server"],
-                                          values["after drain / idle, within the server"],
-                                          values["RssAnon after drain / idle, within the server"])):
-            print(f"| {side} | {i} | {a:.2f} | {b:.2f} | {c:.2f} |")
+        for i, row in enumerate(zip(*(values[metric] for metric in (
+                "drain peak / ingest peak, within the server", "after drain / idle, within the server",
+                "after drain / idle after a first batch, within the server",
+                "RssAnon after drain / idle, within the server")))):
+            print(f"| {side} | {i} | " + " | ".join(f"{value:.2f}" for value in row) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024; 128 with --smoke)")
     parser.add_argument("--after", type=float, default=3.0, help="seconds sampled after the queue is empty (default 3)")
     parser.add_argument("--skip-atropos", action="store_true")
+    parser.add_argument("--versus", default=None, metavar="DIR",
+                        help="also ours from the checkout in DIR (e.g. `git archive` of an older commit), interleaved")
     parser.add_argument("--record", action="store_true",
                         help="append the JSON lines to bench/results/serve-memory.jsonl (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -221,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                     lambda: measure(name, groups, args.per_request, seq_len, after_s))
 
     sides = [side("atropos")] if with_atropos else []
+    if args.versus:
+        sides.append(Side(f"rollout-factory at {Path(args.versus).name}", lambda: measure(
+            "ours", groups, args.per_request, seq_len, after_s, pythonpath=str(Path(args.versus).resolve()))))
     sides.append(side("ours"))
     result = compare("serve-memory", sides, pairs=pairs_from(args), json_out=json_out)
     print_comparison(result, json_out=json_out, title=(

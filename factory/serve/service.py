@@ -78,6 +78,12 @@ class BatchBody:
         self.raw, self.gz, self.keys = raw, gz, keys
         self.arrow: bytes | None = None
 
+    def ready(self, arrow: bool, compress: bool) -> bool:
+        """Whether it has a body for a client that asks for `arrow` and does (`compress`) or does not take gzip."""
+        if arrow:
+            return self.arrow is not None
+        return self.raw is not None or (compress and self.gz is not None)
+
 
 class BatchService:
     def __init__(self, config: ServeConfig) -> None:
@@ -663,11 +669,14 @@ class BatchService:
             if body.arrow is None:
                 body.arrow = batch_arrow(table if table is not None else self._table(body.keys), compress=compress)
             return body
-        if body.raw is None:
-            body.raw = encode_batch(table if table is not None else self._table(body.keys), metadata=self.config.batch_metadata)
+        if body.ready(False, compress):
+            return body
+        body.raw = encode_batch(table if table is not None else self._table(body.keys), metadata=self.config.batch_metadata)
         level = self.config.gzip_level
-        if compress and body.gz is None and level and len(body.raw) >= self.config.gzip_min_bytes:
-            body.gz = gzip_compress(body.raw, level)
+        if compress and level and len(body.raw) >= self.config.gzip_min_bytes:
+            # A gzip client gets the gzip only: not keeping the JSON as well lowers what a prefetched body and the
+            # one being sent hold (~2.3x less at gzip level 1); a client that does not take gzip has it made again.
+            body.gz, body.raw = gzip_compress(body.raw, level), None
         return body
 
     def _read(self, keys: list[tuple[int, int]], arrow: bool, compress: bool) -> BatchBody:
@@ -701,7 +710,7 @@ class BatchService:
             if self._prefetched is not None:
                 entries, body = self._prefetched
                 self._prefetched = None
-                if (body.arrow if arrow else body.raw) is None:  # prefetched for a client that asked the other format
+                if not body.ready(arrow, accept_gzip):  # prefetched for a client that asked the other format
                     try:
                         body = await asyncio.to_thread(self._encode, body, arrow, accept_gzip)
                     except Exception:
@@ -726,7 +735,7 @@ class BatchService:
                 raise
             self.queue.remove(entries)
             self.step += 1
-            size = len(body.arrow if arrow else body.raw)
+            size = len(body.arrow if arrow else body.raw if body.raw is not None else body.gz)
             logger.debug("served step %d: %d groups, %d bytes (%s)", self.step - 1, len(entries), size, "Arrow" if arrow else "JSON")
         if self.config.prefetch:
             self._prefetch_task = asyncio.create_task(self._prefetch())
