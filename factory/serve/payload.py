@@ -37,12 +37,12 @@ READ_COLUMNS = [*GROUP_WIRE_FIELDS, *META_FIELDS, "run_id", "item_key"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
-def _nested_views(column: pa.ChunkedArray, depth: int) -> list[list | None]:
-    """Per row, the nested lists of a list<list<...>> column as lists of numpy views (None for null rows)."""
-    if isinstance(column, pa.ChunkedArray):  # combine_chunks copies even a single chunk
-        array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    else:
-        array = column
+def _nested_views(column: pa.ChunkedArray | pa.Array, depth: int) -> list[list | None]:
+    """Per row, the nested lists of a list<list<...>> column as lists of numpy views (None for null rows), chunk by
+    chunk: views of the chunks' own buffers, no combined copy."""
+    if isinstance(column, pa.ChunkedArray):
+        return [row for chunk in column.chunks for row in _nested_views(chunk, depth)]
+    array = column
     nulls = array.is_null().to_numpy(zero_copy_only=False)
     offsets = [array.offsets.to_numpy()]
     level = array.values

@@ -672,6 +672,7 @@ class BatchService:
         if body.ready(False, compress):
             return body
         body.raw = encode_batch(table if table is not None else self._table(body.keys), metadata=self.config.batch_metadata)
+        table = None  # the rows are not needed for the gzip: not held beside it
         level = self.config.gzip_level
         if compress and level and len(body.raw) >= self.config.gzip_min_bytes:
             # A gzip client gets the gzip only: not keeping the JSON as well lowers what a prefetched body and the
