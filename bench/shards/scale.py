@@ -108,7 +108,7 @@ def measure_serve(root: str, state: str, next_chunk: int, drain: bool) -> dict:
             begin, batches = time.perf_counter(), 0
             while batches < 200:
                 body = await service.next_batch(False)
-                if body.table is None:  # no batch (the queue is drained)
+                if not body.keys:  # no batch (the queue is drained)
                     break
                 batches += 1
             result["drain_batches_per_s"] = batches / (time.perf_counter() - begin)

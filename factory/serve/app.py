@@ -245,6 +245,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
             return unavailable(f"batch not served (nothing was taken), retry later: {error}")
         if arrow and body.arrow is not None:  # without rows (no batch, not registered) the body is JSON
             return Response(body.arrow, media_type=ARROW_STREAM, headers={"vary": "Accept, Accept-Encoding"})
+        if body.raw is None:  # made for this client, which takes gzip (service.BatchBody.ready)
+            return Response(body.gz, media_type="application/json", headers={"vary": "Accept-Encoding", "content-encoding": "gzip"})
         return respond(request, raw=body.raw, gz=body.gz)
 
     @app.get("/latest_example")

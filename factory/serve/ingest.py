@@ -48,9 +48,10 @@ def limit_allocator_growth() -> None:
     """Few malloc arenas and Arrow's buffers in that same malloc: the service's RSS follows what it holds, not
     what it once parsed.
 
-    Arrow's default jemalloc pool kept ~150 MiB after a drain even with its decay at 0 (bench.serve, 384 groups:
+    Arrow's jemalloc pool kept ~150 MiB after a drain even with its decay at 0 (bench.serve, 384 groups:
     RSS 1 s after the drain 349 MiB vs 195-204 MiB with the system pool, same ingest CPU per group); with the
-    system pool, `return_free_memory` (malloc_trim) gives Arrow's freed buffers back too."""
+    system pool, `return_free_memory` (malloc_trim) gives Arrow's freed buffers back too. This sets the pool of
+    pyarrow's Python functions; Arrow's C++ default (the Parquet writer's) is set by `limit_malloc_arenas`."""
     if limit_malloc_arenas():
         pa.set_memory_pool(pa.system_memory_pool())
         return

@@ -21,6 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHES = sorted(path.parent.name for path in (REPO / "bench").glob("*/run.py"))
+MODULES = [f"bench.{name}.run" for name in BENCHES] + ["bench.serve.drain_rss"]
+"""Every bench/*/run.py, and the benches that are not a folder's run.py."""
 TIMEOUT_S = float(os.environ.get("BENCH_SMOKE_TIMEOUT_S", "300"))
 TABLE_ROW = re.compile(r"^\|.*\|\s*$", re.MULTILINE)
 
@@ -31,17 +33,17 @@ def test_benches_are_discovered():
     assert {"datagen", "export", "inference", "shards"} <= set(BENCHES)
 
 
-@pytest.mark.parametrize("name", BENCHES)
-def test_bench_smoke_run_prints_its_table(name: str, prefect_server: dict[str, str]) -> None:
+@pytest.mark.parametrize("module", MODULES)
+def test_bench_smoke_run_prints_its_table(module: str, prefect_server: dict[str, str]) -> None:
     env = {**os.environ, **prefect_server, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    bench = subprocess.Popen([sys.executable, "-m", f"bench.{name}.run", "--smoke"], cwd=REPO, env=env, text=True,
+    bench = subprocess.Popen([sys.executable, "-m", module, "--smoke"], cwd=REPO, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = bench.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(bench.pid, signal.SIGKILL)  # the bench and everything it started
         stdout, stderr = bench.communicate()
-        pytest.fail(f"bench.{name}.run --smoke ran past {TIMEOUT_S:.0f}s (or a process it started kept it open):\n"
+        pytest.fail(f"{module} --smoke ran past {TIMEOUT_S:.0f}s (or a process it started kept it open):\n"
                     f"{stderr[-3000:]}")
-    assert bench.returncode == 0, f"bench.{name}.run --smoke failed:\n{stderr[-4000:]}"
-    assert len(TABLE_ROW.findall(stdout)) >= 2, f"bench.{name}.run --smoke printed no table:\n{stdout[-2000:]}"
+    assert bench.returncode == 0, f"{module} --smoke failed:\n{stderr[-4000:]}"
+    assert len(TABLE_ROW.findall(stdout)) >= 2, f"{module} --smoke printed no table:\n{stdout[-2000:]}"

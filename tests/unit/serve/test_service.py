@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from pathlib import Path
 
@@ -189,3 +190,40 @@ def test_a_drained_queue_drops_the_payload_cache(tmp_path):
         return held
 
     assert run(scenario()) == {}
+
+
+def test_less_than_a_batch_left_drops_the_payload_cache(tmp_path):
+    async def scenario():
+        service = await started(config(tmp_path, batch_metadata=True))
+        await service.register(REGISTRATION)
+        await service.ingest(list(synthetic_groups(5, group_size=4, seq_len=8)))  # two batches of 8, 4 sequences left
+        while batch_ids((await service.next_batch(False)).raw):
+            pass
+        held, queued = dict(service.reader._cache), service.queue.groups
+        await service.stop()
+        return held, queued
+
+    held, queued = run(scenario())
+    assert queued == 1 and held == {}  # no batch can be formed until more arrive: nothing is kept for it
+
+
+def test_a_gzip_client_gets_only_the_gzip_and_the_next_client_without_gzip_gets_json(tmp_path):
+    async def scenario():
+        service = await started(config(tmp_path, batch_metadata=True, gzip_min_bytes=0))
+        await service.register(REGISTRATION)
+        posted = list(synthetic_groups(6, group_size=4, seq_len=8))
+        await service.ingest(posted)
+        first = await service.next_batch(True)
+        await service._prefetch_task  # the next one, made for a gzip client too
+        prefetched = service._prefetched[1]
+        assert prefetched.raw is None and prefetched.gz is not None
+        second = await service.next_batch(False)  # a client without gzip: JSON made again from the rows' keys
+        third = await service.next_batch(True)
+        await service.stop()
+        return posted, [first, second, third]
+
+    posted, bodies = run(scenario())
+    assert bodies[0].raw is None and bodies[0].gz is not None  # the JSON is not kept beside its gzip
+    assert bodies[1].raw is not None
+    served = [i for body in bodies for i in batch_ids(body.raw if body.raw is not None else gzip.decompress(body.gz))]
+    assert served == [g.group_id for g in posted]
