@@ -1,6 +1,6 @@
 """`rl-loop`: the whole RL loop as one Prefect flow, offline on a laptop CPU.
 
-    python -m flows.rl_loop                                   # deployments/rl_loop.yaml: 600 s of training, seed 0
+    python -m flows.rl_loop                                   # deployments/rl_loop.yaml: 900 s (15 minutes) of training, seed 0
     python -m flows.rl_loop --budget_s 300 --seed 1 --out_dir runs/rl-short
     python -m flows.rl_loop --total_steps 50                  # stop after exactly 50 steps instead
     prefect deployment run rl-loop/rl-loop                    # the same flow from the UI / a work pool

@@ -2,7 +2,7 @@
 # The RL loop in one command (offline, CPU): the `rl-loop` Prefect flow (flows/rl_loop.py). Eval of the starter
 # policy on problems training can never draw, local Prefect + policy server + batching API + InternBootcamp datagen
 # (serve mode) + train-grpo until the stop rule, eval again, report in <out_dir>/report.{md,json,png}.
-#   bash scripts/rl_loop.sh                              # deployments/rl_loop.yaml: 600 s of training, seed 0
+#   bash scripts/rl_loop.sh                              # deployments/rl_loop.yaml: 900 s (15 minutes) of training, seed 0
 #   bash scripts/rl_loop.sh --budget_s 300 --seed 1 --out_dir runs/rl-s1
 #   bash scripts/rl_loop.sh --total_steps 50             # stop rule: exactly 50 steps instead of the budget
 #   bash scripts/rl_loop.sh --help                       # every key, its default and what it does

@@ -35,7 +35,7 @@ class RLLoopConfig(FactoryConfig):
 
     out_dir: str = Field("runs/rl-loop", description="Everything the loop makes goes here (wiped at start).")
     policy: str = Field("models/starter-policy", description="Starting policy directory (a HF model directory).")
-    budget_s: float = Field(600.0, gt=0, description="Stopping rule when total_steps is not set: seconds of training "
+    budget_s: float = Field(900.0, gt=0, description="Stopping rule when total_steps is not set: seconds of training "
                                                      "wall clock (the trainer stops at the first step boundary after).")
     total_steps: int | None = Field(None, ge=1, description="Stopping rule when set: exactly this many trainer steps "
                                                             "(budget_s is then ignored).")

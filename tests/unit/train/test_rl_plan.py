@@ -105,7 +105,7 @@ def test_the_rl_loop_deployment_builds_the_flow_config() -> None:
     assert entry["entrypoint"] == "flows.rl_loop:rl_loop" and rl_loop.name == "rl-loop"
     params = entry["parameters"]
     cfg = build_config(RLLoopConfig, yaml_path=ROOT / params["config_path"], values=params["loop"])
-    assert cfg.total_steps is None and cfg.budget_s == 600 and cfg.max_policy_lag == 2
+    assert cfg.total_steps is None and cfg.budget_s == 900 and cfg.max_policy_lag == 2
 
 
 def test_the_batching_engine_counts_busy_and_weight_load_seconds(tmp_path: Path) -> None:
