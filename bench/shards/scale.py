@@ -1,14 +1,17 @@
 """Shard store at scale (issue 34): run-api start-up, follow latency, drain rate, export and viewer first page on
 stores of many small shards, before and after compaction.
 
-    python -m bench.shards.scale --shards 10000 100000       # each size in turn (~15 kB shards: 10 groups of 4 x 64)
+    python -m bench.shards.scale --shards 10000 100000       # each size in turn (~36 kB shards: 10 groups of 4 x 64)
     python -m bench.shards.scale --smoke                      # 300 shards, seconds
     python -m bench.shards.scale --compare                    # compaction MB/s: gathering pages, copying row groups, decoding
     python -m bench.shards.scale --compare --smoke            # the same on a few shards, seconds
     python -m bench.shards.scale --shards 2000 --compact-by pages   # serving etc. after one way of compacting
 
-A store is built synthetically (shards written and logged directly, like `ShardStore.commit` minus the per-shard
-fsync, which only makes building slow); each measurement runs in its own process (a cold start, as a restart is).
+A store is built synthetically (factory/synthetic_store.py: each shard's file is byte for byte what `ShardStore.commit`
+writes for its groups, made by patching a template's group ids, item keys, CRCs and statistics instead of encoding;
+logged as `commit` logs it, minus the per-shard fsync; ~0.3-0.6 ms per shard, mostly creating the file; the run's
+manifest checkpointed at the end, as a live store's readers do); each measurement runs in its own process (a cold
+start, as a restart is). `--build-workers 2` writes blocks of shards in two processes.
 Measured per size, before and after `compact_run`:
 
 - start-up (fresh): run-api following the run with an empty served state, until `start()` returns (every shard indexed);
@@ -38,36 +41,13 @@ RUN = "gen"
 GROUPS_PER_SHARD = 10
 
 
-def build_store(root: Path, shards: int, group_size: int = 4, seq_len: int = 64) -> dict:
-    """`shards` committed shards of GROUPS_PER_SHARD distinct groups each, logged as `ShardStore.commit` logs them."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def build_store(root: Path, shards: int, workers: int = 1) -> dict:
+    """`shards` committed shards of GROUPS_PER_SHARD distinct groups each (4 x 64 tokens), logged as
+    `ShardStore.commit` logs them (factory/synthetic_store.py: byte for byte its files, minus the per-shard fsync),
+    and the run's manifest checkpointed as a live store's readers do."""
+    from factory.synthetic_store import build_store as build
 
-    from environments.groups import make_group_id
-    from factory.schema import GROUP_SCHEMA, groups_to_record_batch
-    from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, _sha256, shard_name
-    from factory.synthetic import synthetic_groups
-
-    store = ShardStore(root)
-    shards_dir = store.shards_dir(RUN)
-    shards_dir.mkdir(parents=True, exist_ok=True)
-    template = pa.Table.from_batches([groups_to_record_batch(list(synthetic_groups(GROUPS_PER_SHARD, group_size=group_size, seq_len=seq_len, env="bench")))])
-    ids_at, keys_at = template.schema.get_field_index("group_id"), template.schema.get_field_index("item_key")
-    start = time.perf_counter()
-    lines = []
-    total = 0
-    for chunk in range(shards):
-        keys = [f"item-{chunk * GROUPS_PER_SHARD + i}" for i in range(GROUPS_PER_SHARD)]
-        table = template.set_column(ids_at, "group_id", pa.array([make_group_id("bench", k, 0, 0) for k in keys]))
-        table = table.set_column(keys_at, "item_key", pa.array(keys)).cast(GROUP_SCHEMA)
-        name = shard_name("w0", chunk)
-        path = shards_dir / name
-        pq.write_table(table, path, write_page_checksum=True, row_group_size=256, **PARQUET_OPTIONS)
-        size = path.stat().st_size
-        total += size
-        lines.append(CommitRecord(name, RUN, "w0", chunk, GROUPS_PER_SHARD, size, _sha256(path), "2026-11-25T00:00:00+00:00").to_line())
-    store.commit_log(RUN).write_bytes(b"".join(lines))
-    return {"seconds": time.perf_counter() - start, "bytes": total}
+    return build(root, RUN, shards, workers=workers, groups_per_shard=GROUPS_PER_SHARD, group_size=4, seq_len=64, env="bench")
 
 
 def _service_config(root: str, state: str):
@@ -271,12 +251,15 @@ def _isolated(function, *args) -> dict:
         return pool.apply(function, args)
 
 
-def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None) -> list[dict]:
+def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None,
+             build_workers: int = 1) -> list[dict]:
     call = _isolated if isolate else (lambda f, *a: f(*a))
     root = scratch / f"store-{shards}"
     shutil.rmtree(root, ignore_errors=True)
-    built = call(build_store, root, shards)
-    print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.0f} s", flush=True)
+    built = call(build_store, root, shards, build_workers)
+    print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.1f} s "
+          f"({built['write_seconds'] / shards * 1e3:.2f} ms per shard written, then the manifest), "
+          f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     next_chunk = 0
     for phase in ("before", "after"):
@@ -326,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small-shards", type=int, default=3000, help="--compare: ~36 kB shards merged")
     parser.add_argument("--large", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=[2000, 200],
                         help="--compare: GROUPS groups of 8 x 1024 tokens in shards of CHUNK groups (~15 MB at 200)")
+    parser.add_argument("--build-workers", type=int, default=1, help="processes writing the synthetic store")
     parser.add_argument("--compact-by", choices=["auto", "pages", "copy", "decode"], default="auto",
                         help="how the shards are merged: compact_run's choice by shard size, or always one way")
     args = parser.parse_args(argv)
@@ -371,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for shards in args.shards:
             rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke,
-                             method=None if args.compact_by == "auto" else MODES[args.compact_by])
+                             method=None if args.compact_by == "auto" else MODES[args.compact_by],
+                             build_workers=args.build_workers)
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
