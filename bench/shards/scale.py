@@ -60,18 +60,46 @@ REGISTRATION = dict(wandb_group="g", wandb_project="p", batch_size=256, max_toke
                     save_checkpoint_interval=0, starting_step=0, num_steps=10**6)
 
 
-def measure_serve(root: str, state: str, next_chunk: int, drain: bool) -> dict:
-    """Start-up, follow latency and (optionally) drain rate of one run-api process life."""
+def measure_serve(root: str, state: str, next_chunk: int, drain: bool, profile: bool = False) -> dict:
+    """Start-up, follow latency and (optionally) drain rate of one run-api process life; `profile`: only the
+    start-up, under cProfile (the top functions by cumulative time come back as text)."""
     from factory.serve.service import BatchService
     from factory.store import ShardStore
     from factory.synthetic import synthetic_groups
 
     async def scenario() -> dict:
         begin = time.perf_counter()
+        profiler = None
+        if profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         service = BatchService(_service_config(root, state))
+        if profiler is not None:  # the scan runs in a worker thread: profile it there too
+            import cProfile
+
+            scan, scanned = service._scan, cProfile.Profile()
+
+            def profiled_scan():
+                return scanned.runcall(scan)
+
+            service._scan = profiled_scan
         await service.start()
         startup = time.perf_counter() - begin
         result = {"startup_s": startup, "queued": service.queue.groups, "rss_mib": _rss()}
+        if profiler is not None:
+            import io
+            import pstats
+
+            profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.add(scanned)
+            stats.sort_stats("cumulative").print_stats(30)
+            result["profile"] = text.getvalue()
+            await service.stop()
+            return result
         writer = ShardStore(root)
         latencies = []
         for index in range(5):
@@ -252,7 +280,7 @@ def _isolated(function, *args) -> dict:
 
 
 def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None,
-             build_workers: int = 1) -> list[dict]:
+             build_workers: int = 1, profile: tuple[str, ...] = ()) -> list[dict]:
     call = _isolated if isolate else (lambda f, *a: f(*a))
     root = scratch / f"store-{shards}"
     shutil.rmtree(root, ignore_errors=True)
@@ -269,7 +297,11 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method
         state = str(scratch / f"state-{shards}.sqlite")
         if phase == "before":
             Path(state).unlink(missing_ok=True)
-        row = {"shards": shards, "phase": phase}
+        row = {"shards": shards, "phase": phase, "mb": built["bytes"] / 1e6,
+               "build_ms_per_shard": built["write_seconds"] / shards * 1e3}
+        if phase == "after":
+            row.update(compact_s=done["compact_s"], compact_files=done["compact_files"],
+                       compact_mb_per_s=done["compact_mb_per_s"])
         if phase == "before":
             fresh = call(measure_serve, str(root), state, next_chunk, True)
             row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
@@ -289,7 +321,14 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method
         row.update(call(measure_export, str(root)))
         row.update(call(measure_viewer, str(root)))
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(row), f"# {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}", flush=True)
+        if phase in profile:
+            profiled_state = str(scratch / f"state-{shards}-profile.sqlite")
+            Path(profiled_state).unlink(missing_ok=True)
+            profiled = call(measure_serve, str(root), profiled_state, 0, False, True)
+            Path(profiled_state).unlink(missing_ok=True)
+            print(f"# cProfile of a fresh start-up {phase} compaction ({profiled['startup_s']:.2f} s under the profiler):\n"
+                  f"{profiled['profile']}", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     return rows
 
@@ -309,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small-shards", type=int, default=3000, help="--compare: ~36 kB shards merged")
     parser.add_argument("--large", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=[2000, 200],
                         help="--compare: GROUPS groups of 8 x 1024 tokens in shards of CHUNK groups (~15 MB at 200)")
+    parser.add_argument("--profile", nargs="*", choices=["before", "after"], default=[],
+                        help="also profile one fresh run-api start-up (cProfile) before and/or after compaction")
     parser.add_argument("--build-workers", type=int, default=1, help="processes writing the synthetic store")
     parser.add_argument("--compact-by", choices=["auto", "pages", "copy", "decode"], default="auto",
                         help="how the shards are merged: compact_run's choice by shard size, or always one way")
@@ -356,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         for shards in args.shards:
             rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke,
                              method=None if args.compact_by == "auto" else MODES[args.compact_by],
-                             build_workers=args.build_workers)
+                             build_workers=args.build_workers, profile=tuple(args.profile))
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -365,12 +406,14 @@ def main(argv: list[str] | None = None) -> None:
             for row in rows:
                 out.write(json.dumps(row) + "\n")
     print("\n| shards | phase | start-up fresh s | restart s | follow latency s | drain batches/s | export groups/s "
-          "| viewer first page s | idle RSS MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| viewer first page s | idle RSS MiB | built ms/shard, compacted s (files, MB/s) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        made = (f"{r['compact_s']:.0f} s ({r['compact_files']} files, {r['compact_mb_per_s']:.0f} MB/s)"
+                if r["phase"] == "after" else f"{r['build_ms_per_shard']:.2f} ms ({r['mb']:,.0f} MB)")
         print(f"| {r['shards']:,} | {r['phase']} | {r['startup_fresh_s']:.2f} | {r['restart_s']:.2f} | "
               f"{r['follow_latency_s']:.3f} | {r['drain_batches_per_s']:.1f} | {r['export_groups_per_s']:,.0f} | "
-              f"{r['viewer_first_page_s']:.2f} | {r['idle_rss_mib']:.0f} |")
+              f"{r['viewer_first_page_s']:.2f} | {r['idle_rss_mib']:.0f} | {made} |")
 
 
 if __name__ == "__main__":
