@@ -20,6 +20,9 @@ Measured per size, before and after `compact_run`:
 - drain: /batch bodies of 256 sequences per second (first 200 batches);
 - export: groups/s of the export's store source (`iter_store_groups`, metadata columns), first 200k groups;
 - viewer first page: a new `RunIndex` refreshed with the viewer's 0.5 s budget, then the first 50 rows read.
+
+`--startup-limit-s N` kills a run-api life still starting after N s (+ 60 s for its follow and drain) and reports
+"> N": before compaction, start-up reads every shard's index columns (~1 ms per shard), far too long at 1M shards.
 """
 
 from __future__ import annotations
@@ -274,54 +277,61 @@ def _rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _isolated(function, *args) -> dict:
+def _isolated(function, *args, timeout: float | None = None) -> dict:
+    """`function(*args)` in a fresh process; past `timeout` seconds the process is killed (multiprocessing.TimeoutError)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(function, args)
+        return pool.apply_async(function, args).get(timeout)
 
 
 def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None,
-             build_workers: int = 1, profile: tuple[str, ...] = ()) -> list[dict]:
-    call = _isolated if isolate else (lambda f, *a: f(*a))
+             build_workers: int = 1, profile: tuple[str, ...] = (), startup_limit_s: float | None = None) -> list[dict]:
+    call = _isolated if isolate else (lambda f, *a, timeout=None: f(*a))
     root = scratch / f"store-{shards}"
     shutil.rmtree(root, ignore_errors=True)
     built = call(build_store, root, shards, build_workers)
     print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.1f} s "
-          f"({built['write_seconds'] / shards * 1e3:.2f} ms per shard written, then the manifest), "
-          f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}", flush=True)
+          f"({built['write_seconds'] / shards * 1e3:.2f} ms per shard written, then the manifest), {_now()}", flush=True)
+
+    def serve(state: str, chunk: int, drain: bool) -> dict | None:
+        """One run-api life; None where start-up did not finish within `startup_limit_s` (the process is killed)."""
+        limit = None if startup_limit_s is None else startup_limit_s + 60  # + follow latency, drain and spawning
+        try:
+            return call(measure_serve, str(root), state, chunk, drain, timeout=limit)
+        except multiprocessing.TimeoutError:
+            print(f"# run-api life killed after {limit:.0f} s (start-up limit {startup_limit_s:.0f} s), {_now()}", flush=True)
+            return None
+
     rows = []
     next_chunk = 0
+    state = str(scratch / f"state-{shards}.sqlite")
+    Path(state).unlink(missing_ok=True)
     for phase in ("before", "after"):
         if phase == "after":
             done = call(compact, str(root), target_mb, method)
-            print(f"# compaction: {json.dumps(done)}", flush=True)
-        state = str(scratch / f"state-{shards}.sqlite")
-        if phase == "before":
-            Path(state).unlink(missing_ok=True)
+            print(f"# compaction: {json.dumps(done)}, {_now()}", flush=True)
         row = {"shards": shards, "phase": phase, "mb": built["bytes"] / 1e6,
-               "build_ms_per_shard": built["write_seconds"] / shards * 1e3}
+               "build_ms_per_shard": built["write_seconds"] / shards * 1e3, "startup_limit_s": startup_limit_s}
         if phase == "after":
             row.update(compact_s=done["compact_s"], compact_files=done["compact_files"],
                        compact_mb_per_s=done["compact_mb_per_s"])
-        if phase == "before":
-            fresh = call(measure_serve, str(root), state, next_chunk, True)
-            row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
-                       drain_batches_per_s=fresh["drain_batches_per_s"], idle_rss_mib=fresh["rss_mib"])
-            next_chunk += 5
-        else:
-            fresh_state = str(scratch / f"state-{shards}-fresh.sqlite")
+        fresh_state = state if phase == "before" else str(scratch / f"state-{shards}-fresh.sqlite")
+        if phase == "after":
             Path(fresh_state).unlink(missing_ok=True)
-            fresh = call(measure_serve, str(root), fresh_state, next_chunk, True)
-            row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
-                       drain_batches_per_s=fresh["drain_batches_per_s"], idle_rss_mib=fresh["rss_mib"])
-            next_chunk += 5
-            Path(fresh_state).unlink(missing_ok=True)
-        again = call(measure_serve, str(root), state, next_chunk, False)  # the served state of the "before" life
+        fresh = serve(fresh_state, next_chunk, True)
         next_chunk += 5
-        row["restart_s"] = again["startup_s"]
+        row.update(startup_fresh_s=fresh and fresh["startup_s"], follow_latency_s=fresh and fresh["follow_latency_s"],
+                   drain_batches_per_s=fresh and fresh["drain_batches_per_s"], idle_rss_mib=fresh and fresh["rss_mib"])
+        if phase == "after":
+            Path(fresh_state).unlink(missing_ok=True)
+        # a restart with the served state of the "before" life (unless that life was cut short: then skipped before
+        # compaction, and after it a start from the state it left)
+        again = serve(state, next_chunk, False) if fresh is not None or phase == "after" else None
+        next_chunk += 5
+        row["restart_s"] = again and again["startup_s"]
         row.update(call(measure_export, str(root)))
         row.update(call(measure_viewer, str(root)))
         rows.append(row)
-        print(json.dumps(row), f"# {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}", flush=True)
+        print(json.dumps(row), f"# {_now()}", flush=True)
         if phase in profile:
             profiled_state = str(scratch / f"state-{shards}-profile.sqlite")
             Path(profiled_state).unlink(missing_ok=True)
@@ -331,6 +341,16 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method
                   f"{profiled['profile']}", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     return rows
+
+
+def _now() -> str:
+    return f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}"
+
+
+def _cell(value: float | None, spec: str, limit: float | None = None) -> str:
+    if value is None:
+        return f"> {limit:.0f} (killed)" if limit is not None else "-"
+    return format(value, spec)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--compare: GROUPS groups of 8 x 1024 tokens in shards of CHUNK groups (~15 MB at 200)")
     parser.add_argument("--profile", nargs="*", choices=["before", "after"], default=[],
                         help="also profile one fresh run-api start-up (cProfile) before and/or after compaction")
+    parser.add_argument("--startup-limit-s", type=float, default=None,
+                        help="kill a run-api life whose start-up has not finished after this many seconds (reported as '> N')")
     parser.add_argument("--build-workers", type=int, default=1, help="processes writing the synthetic store")
     parser.add_argument("--compact-by", choices=["auto", "pages", "copy", "decode"], default="auto",
                         help="how the shards are merged: compact_run's choice by shard size, or always one way")
@@ -397,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
         for shards in args.shards:
             rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke,
                              method=None if args.compact_by == "auto" else MODES[args.compact_by],
-                             build_workers=args.build_workers, profile=tuple(args.profile))
+                             build_workers=args.build_workers, profile=tuple(args.profile),
+                             startup_limit_s=args.startup_limit_s)
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -411,9 +434,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         made = (f"{r['compact_s']:.0f} s ({r['compact_files']} files, {r['compact_mb_per_s']:.0f} MB/s)"
                 if r["phase"] == "after" else f"{r['build_ms_per_shard']:.2f} ms ({r['mb']:,.0f} MB)")
-        print(f"| {r['shards']:,} | {r['phase']} | {r['startup_fresh_s']:.2f} | {r['restart_s']:.2f} | "
-              f"{r['follow_latency_s']:.3f} | {r['drain_batches_per_s']:.1f} | {r['export_groups_per_s']:,.0f} | "
-              f"{r['viewer_first_page_s']:.2f} | {r['idle_rss_mib']:.0f} | {made} |")
+        limit = r["startup_limit_s"]
+        print(f"| {r['shards']:,} | {r['phase']} | {_cell(r['startup_fresh_s'], '.2f', limit)} | "
+              f"{_cell(r['restart_s'], '.2f', limit if r['startup_fresh_s'] is not None or r['phase'] == 'after' else None)} | "
+              f"{_cell(r['follow_latency_s'], '.3f')} | {_cell(r['drain_batches_per_s'], '.1f')} | "
+              f"{r['export_groups_per_s']:,.0f} | {r['viewer_first_page_s']:.2f} | {_cell(r['idle_rss_mib'], '.0f')} | {made} |")
 
 
 if __name__ == "__main__":
