@@ -340,6 +340,7 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method
             print(f"# cProfile of a fresh start-up {phase} compaction ({profiled['startup_s']:.2f} s under the profiler):\n"
                   f"{profiled['profile']}", flush=True)
     shutil.rmtree(root, ignore_errors=True)
+    Path(state).unlink(missing_ok=True)
     return rows
 
 
