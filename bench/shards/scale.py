@@ -338,10 +338,14 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method
         if phase in profile:
             profiled_state = str(scratch / f"state-{shards}-profile.sqlite")
             Path(profiled_state).unlink(missing_ok=True)
-            profiled = call(measure_serve, str(root), profiled_state, 0, False, True)
+            try:
+                profiled = call(measure_serve, str(root), profiled_state, 0, False, True,
+                                timeout=None if startup_limit_s is None else 2 * startup_limit_s + 45)
+                print(f"# cProfile of a fresh start-up {phase} compaction ({profiled['startup_s']:.2f} s under the "
+                      f"profiler):\n{profiled['profile']}", flush=True)
+            except multiprocessing.TimeoutError:
+                print(f"# cProfile of a fresh start-up {phase} compaction: killed after {2 * startup_limit_s + 45:.0f} s", flush=True)
             Path(profiled_state).unlink(missing_ok=True)
-            print(f"# cProfile of a fresh start-up {phase} compaction ({profiled['startup_s']:.2f} s under the profiler):\n"
-                  f"{profiled['profile']}", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     Path(state).unlink(missing_ok=True)
     return rows
