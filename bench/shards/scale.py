@@ -11,7 +11,7 @@ A store is built synthetically (factory/synthetic_store.py: each shard's file is
 writes for its groups, made by patching a template's group ids, item keys, CRCs and statistics instead of encoding;
 logged as `commit` logs it, minus the per-shard fsync; ~0.3-0.6 ms per shard, mostly creating the file; the run's
 manifest checkpointed at the end, as a live store's readers do); each measurement runs in its own process (a cold
-start, as a restart is). `--build-workers 2` writes blocks of shards in two processes.
+start, as a restart is). `--build-workers 2` writes blocks of shards in two processes (no faster on this VM).
 Measured per size, before and after `compact_run`:
 
 - start-up (fresh): run-api following the run with an empty served state, until `start()` returns (every shard indexed);
