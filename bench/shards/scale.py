@@ -1,22 +1,29 @@
 """Shard store at scale (issue 34): run-api start-up, follow latency, drain rate, export and viewer first page on
 stores of many small shards, before and after compaction.
 
-    python -m bench.shards.scale --shards 10000 100000       # each size in turn (~15 kB shards: 10 groups of 4 x 64)
+    python -m bench.shards.scale --shards 10000 100000       # each size in turn (~36 kB shards: 10 groups of 4 x 64)
     python -m bench.shards.scale --smoke                      # 300 shards, seconds
     python -m bench.shards.scale --compare                    # compaction MB/s: gathering pages, copying row groups, decoding
     python -m bench.shards.scale --compare --smoke            # the same on a few shards, seconds
     python -m bench.shards.scale --shards 2000 --compact-by pages   # serving etc. after one way of compacting
 
-A store is built synthetically (shards written and logged directly, like `ShardStore.commit` minus the per-shard
-fsync, which only makes building slow); each measurement runs in its own process (a cold start, as a restart is).
+A store is built synthetically (factory/synthetic_store.py: each shard's file is byte for byte what `ShardStore.commit`
+writes for its groups, made by patching a template's group ids, item keys, CRCs and statistics instead of encoding;
+logged as `commit` logs it, minus the per-shard fsync; ~0.3-0.6 ms per shard, mostly creating the file; the run's
+manifest checkpointed at the end, as a live store's readers do); each measurement runs in its own process (a cold
+start, as a restart is). `--build-workers 2` writes blocks of shards in two processes (no faster on this VM).
 Measured per size, before and after `compact_run`:
 
 - start-up (fresh): run-api following the run with an empty served state, until `start()` returns (every shard indexed);
 - restart: again with the served state the fresh start left (what a restart after a crash or deploy costs);
 - follow latency: a shard committed by another process until run-api has queued it (median of 5; follow interval 0.1 s);
 - drain: /batch bodies of 256 sequences per second (first 200 batches);
-- export: groups/s of the export's store source (`iter_store_groups`, metadata columns), first 200k groups;
+- export: groups/s of the export's store source (`iter_store_groups`, metadata columns), first 200k groups, and
+  the time to its first group (what it pays for the history before reading anything);
 - viewer first page: a new `RunIndex` refreshed with the viewer's 0.5 s budget, then the first 50 rows read.
+
+`--startup-limit-s N` kills a run-api life still starting after N s (+ 45 s for its follow and drain) and reports
+"> N": before compaction, start-up reads every shard's index columns (~1 ms per shard), far too long at 1M shards.
 """
 
 from __future__ import annotations
@@ -38,36 +45,13 @@ RUN = "gen"
 GROUPS_PER_SHARD = 10
 
 
-def build_store(root: Path, shards: int, group_size: int = 4, seq_len: int = 64) -> dict:
-    """`shards` committed shards of GROUPS_PER_SHARD distinct groups each, logged as `ShardStore.commit` logs them."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def build_store(root: Path, shards: int, workers: int = 1) -> dict:
+    """`shards` committed shards of GROUPS_PER_SHARD distinct groups each (4 x 64 tokens), logged as
+    `ShardStore.commit` logs them (factory/synthetic_store.py: byte for byte its files, minus the per-shard fsync),
+    and the run's manifest checkpointed as a live store's readers do."""
+    from factory.synthetic_store import build_store as build
 
-    from environments.groups import make_group_id
-    from factory.schema import GROUP_SCHEMA, groups_to_record_batch
-    from factory.store import PARQUET_OPTIONS, CommitRecord, ShardStore, _sha256, shard_name
-    from factory.synthetic import synthetic_groups
-
-    store = ShardStore(root)
-    shards_dir = store.shards_dir(RUN)
-    shards_dir.mkdir(parents=True, exist_ok=True)
-    template = pa.Table.from_batches([groups_to_record_batch(list(synthetic_groups(GROUPS_PER_SHARD, group_size=group_size, seq_len=seq_len, env="bench")))])
-    ids_at, keys_at = template.schema.get_field_index("group_id"), template.schema.get_field_index("item_key")
-    start = time.perf_counter()
-    lines = []
-    total = 0
-    for chunk in range(shards):
-        keys = [f"item-{chunk * GROUPS_PER_SHARD + i}" for i in range(GROUPS_PER_SHARD)]
-        table = template.set_column(ids_at, "group_id", pa.array([make_group_id("bench", k, 0, 0) for k in keys]))
-        table = table.set_column(keys_at, "item_key", pa.array(keys)).cast(GROUP_SCHEMA)
-        name = shard_name("w0", chunk)
-        path = shards_dir / name
-        pq.write_table(table, path, write_page_checksum=True, row_group_size=256, **PARQUET_OPTIONS)
-        size = path.stat().st_size
-        total += size
-        lines.append(CommitRecord(name, RUN, "w0", chunk, GROUPS_PER_SHARD, size, _sha256(path), "2026-11-25T00:00:00+00:00").to_line())
-    store.commit_log(RUN).write_bytes(b"".join(lines))
-    return {"seconds": time.perf_counter() - start, "bytes": total}
+    return build(root, RUN, shards, workers=workers, groups_per_shard=GROUPS_PER_SHARD, group_size=4, seq_len=64, env="bench")
 
 
 def _service_config(root: str, state: str):
@@ -80,18 +64,46 @@ REGISTRATION = dict(wandb_group="g", wandb_project="p", batch_size=256, max_toke
                     save_checkpoint_interval=0, starting_step=0, num_steps=10**6)
 
 
-def measure_serve(root: str, state: str, next_chunk: int, drain: bool) -> dict:
-    """Start-up, follow latency and (optionally) drain rate of one run-api process life."""
+def measure_serve(root: str, state: str, next_chunk: int, drain: bool, profile: bool = False) -> dict:
+    """Start-up, follow latency and (optionally) drain rate of one run-api process life; `profile`: only the
+    start-up, under cProfile (the top functions by cumulative time come back as text)."""
     from factory.serve.service import BatchService
     from factory.store import ShardStore
     from factory.synthetic import synthetic_groups
 
     async def scenario() -> dict:
         begin = time.perf_counter()
+        profiler = None
+        if profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         service = BatchService(_service_config(root, state))
+        if profiler is not None:  # the scan runs in a worker thread: profile it there too
+            import cProfile
+
+            scan, scanned = service._scan, cProfile.Profile()
+
+            def profiled_scan():
+                return scanned.runcall(scan)
+
+            service._scan = profiled_scan
         await service.start()
         startup = time.perf_counter() - begin
         result = {"startup_s": startup, "queued": service.queue.groups, "rss_mib": _rss()}
+        if profiler is not None:
+            import io
+            import pstats
+
+            profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.add(scanned)
+            stats.sort_stats("cumulative").print_stats(30)
+            result["profile"] = text.getvalue()
+            await service.stop()
+            return result
         writer = ShardStore(root)
         latencies = []
         for index in range(5):
@@ -123,13 +135,15 @@ def measure_export(root: str, limit: int = 200_000) -> dict:
     from factory.export.config import SourceConfig
     from factory.export.source import iter_store_groups
 
-    begin, rows = time.perf_counter(), 0
+    begin, rows, first = time.perf_counter(), 0, None
     for _ in iter_store_groups(SourceConfig(store=root, runs=[RUN]), need_tokens=False):
         rows += 1
+        if first is None:
+            first = time.perf_counter() - begin
         if rows >= limit:
             break
     seconds = time.perf_counter() - begin
-    return {"export_groups": rows, "export_s": seconds, "export_groups_per_s": rows / seconds}
+    return {"export_groups": rows, "export_s": seconds, "export_groups_per_s": rows / seconds, "export_first_s": first}
 
 
 def measure_viewer(root: str) -> dict:
@@ -266,49 +280,85 @@ def _rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _isolated(function, *args) -> dict:
+def _isolated(function, *args, timeout: float | None = None) -> dict:
+    """`function(*args)` in a fresh process; past `timeout` seconds the process is killed (multiprocessing.TimeoutError)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(function, args)
+        return pool.apply_async(function, args).get(timeout)
 
 
-def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None) -> list[dict]:
-    call = _isolated if isolate else (lambda f, *a: f(*a))
+def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None,
+             build_workers: int = 1, profile: tuple[str, ...] = (), startup_limit_s: float | None = None) -> list[dict]:
+    call = _isolated if isolate else (lambda f, *a, timeout=None: f(*a))
     root = scratch / f"store-{shards}"
     shutil.rmtree(root, ignore_errors=True)
-    built = call(build_store, root, shards)
-    print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.0f} s", flush=True)
+    built = call(build_store, root, shards, build_workers)
+    print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.1f} s "
+          f"({built['write_seconds'] / shards * 1e3:.2f} ms per shard written, then the manifest), {_now()}", flush=True)
+
+    def serve(state: str, chunk: int, drain: bool) -> dict | None:
+        """One run-api life; None where start-up did not finish within `startup_limit_s` (the process is killed)."""
+        limit = None if startup_limit_s is None else startup_limit_s + 45  # + follow latency, drain and spawning
+        try:
+            return call(measure_serve, str(root), state, chunk, drain, timeout=limit)
+        except multiprocessing.TimeoutError:
+            print(f"# run-api life killed after {limit:.0f} s (start-up limit {startup_limit_s:.0f} s), {_now()}", flush=True)
+            return None
+
     rows = []
     next_chunk = 0
+    state = str(scratch / f"state-{shards}.sqlite")
+    Path(state).unlink(missing_ok=True)
     for phase in ("before", "after"):
         if phase == "after":
             done = call(compact, str(root), target_mb, method)
-            print(f"# compaction: {json.dumps(done)}", flush=True)
-        state = str(scratch / f"state-{shards}.sqlite")
-        if phase == "before":
-            Path(state).unlink(missing_ok=True)
-        row = {"shards": shards, "phase": phase}
-        if phase == "before":
-            fresh = call(measure_serve, str(root), state, next_chunk, True)
-            row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
-                       drain_batches_per_s=fresh["drain_batches_per_s"], idle_rss_mib=fresh["rss_mib"])
-            next_chunk += 5
-        else:
-            fresh_state = str(scratch / f"state-{shards}-fresh.sqlite")
+            print(f"# compaction: {json.dumps(done)}, {_now()}", flush=True)
+        row = {"shards": shards, "phase": phase, "mb": built["bytes"] / 1e6,
+               "build_ms_per_shard": built["write_seconds"] / shards * 1e3, "startup_limit_s": startup_limit_s}
+        if phase == "after":
+            row.update(compact_s=done["compact_s"], compact_files=done["compact_files"],
+                       compact_mb_per_s=done["compact_mb_per_s"])
+        fresh_state = state if phase == "before" else str(scratch / f"state-{shards}-fresh.sqlite")
+        if phase == "after":
             Path(fresh_state).unlink(missing_ok=True)
-            fresh = call(measure_serve, str(root), fresh_state, next_chunk, True)
-            row.update(startup_fresh_s=fresh["startup_s"], follow_latency_s=fresh["follow_latency_s"],
-                       drain_batches_per_s=fresh["drain_batches_per_s"], idle_rss_mib=fresh["rss_mib"])
-            next_chunk += 5
-            Path(fresh_state).unlink(missing_ok=True)
-        again = call(measure_serve, str(root), state, next_chunk, False)  # the served state of the "before" life
+        fresh = serve(fresh_state, next_chunk, True)
         next_chunk += 5
-        row["restart_s"] = again["startup_s"]
+        row.update(startup_fresh_s=fresh and fresh["startup_s"], follow_latency_s=fresh and fresh["follow_latency_s"],
+                   drain_batches_per_s=fresh and fresh["drain_batches_per_s"], idle_rss_mib=fresh and fresh["rss_mib"])
+        if phase == "after":
+            Path(fresh_state).unlink(missing_ok=True)
+        # a restart with the served state of the "before" life (unless that life was cut short: then skipped before
+        # compaction, and after it a start from the state it left)
+        again = serve(state, next_chunk, False) if fresh is not None or phase == "after" else None
+        next_chunk += 5
+        row["restart_s"] = again and again["startup_s"]
         row.update(call(measure_export, str(root)))
         row.update(call(measure_viewer, str(root)))
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(row), f"# {_now()}", flush=True)
+        if phase in profile:
+            profiled_state = str(scratch / f"state-{shards}-profile.sqlite")
+            Path(profiled_state).unlink(missing_ok=True)
+            try:
+                profiled = call(measure_serve, str(root), profiled_state, 0, False, True,
+                                timeout=None if startup_limit_s is None else 2 * startup_limit_s + 45)
+                print(f"# cProfile of a fresh start-up {phase} compaction ({profiled['startup_s']:.2f} s under the "
+                      f"profiler):\n{profiled['profile']}", flush=True)
+            except multiprocessing.TimeoutError:
+                print(f"# cProfile of a fresh start-up {phase} compaction: killed after {2 * startup_limit_s + 45:.0f} s", flush=True)
+            Path(profiled_state).unlink(missing_ok=True)
     shutil.rmtree(root, ignore_errors=True)
+    Path(state).unlink(missing_ok=True)
     return rows
+
+
+def _now() -> str:
+    return f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}"
+
+
+def _cell(value: float | None, spec: str, limit: float | None = None) -> str:
+    if value is None:
+        return f"> {limit:.0f} (killed)" if limit is not None else "-"
+    return format(value, spec)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small-shards", type=int, default=3000, help="--compare: ~36 kB shards merged")
     parser.add_argument("--large", type=int, nargs=2, metavar=("GROUPS", "CHUNK"), default=[2000, 200],
                         help="--compare: GROUPS groups of 8 x 1024 tokens in shards of CHUNK groups (~15 MB at 200)")
+    parser.add_argument("--profile", nargs="*", choices=["before", "after"], default=[],
+                        help="also profile one fresh run-api start-up (cProfile) before and/or after compaction")
+    parser.add_argument("--startup-limit-s", type=float, default=None,
+                        help="kill a run-api life whose start-up has not finished after this many seconds (reported as '> N')")
+    parser.add_argument("--build-workers", type=int, default=1, help="processes writing the synthetic store")
     parser.add_argument("--compact-by", choices=["auto", "pages", "copy", "decode"], default="auto",
                         help="how the shards are merged: compact_run's choice by shard size, or always one way")
     args = parser.parse_args(argv)
@@ -371,7 +426,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for shards in args.shards:
             rows += run_size(scratch, shards, args.target_mb, isolate=not args.smoke,
-                             method=None if args.compact_by == "auto" else MODES[args.compact_by])
+                             method=None if args.compact_by == "auto" else MODES[args.compact_by],
+                             build_workers=args.build_workers, profile=tuple(args.profile),
+                             startup_limit_s=args.startup_limit_s)
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -380,12 +437,16 @@ def main(argv: list[str] | None = None) -> None:
             for row in rows:
                 out.write(json.dumps(row) + "\n")
     print("\n| shards | phase | start-up fresh s | restart s | follow latency s | drain batches/s | export groups/s "
-          "| viewer first page s | idle RSS MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| export first group s | viewer first page s | idle RSS MiB | built ms/shard, compacted s (files, MB/s) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['shards']:,} | {r['phase']} | {r['startup_fresh_s']:.2f} | {r['restart_s']:.2f} | "
-              f"{r['follow_latency_s']:.3f} | {r['drain_batches_per_s']:.1f} | {r['export_groups_per_s']:,.0f} | "
-              f"{r['viewer_first_page_s']:.2f} | {r['idle_rss_mib']:.0f} |")
+        made = (f"{r['compact_s']:.0f} s ({r['compact_files']} files, {r['compact_mb_per_s']:.0f} MB/s)"
+                if r["phase"] == "after" else f"{r['build_ms_per_shard']:.2f} ms ({r['mb']:,.0f} MB)")
+        limit = r["startup_limit_s"]
+        print(f"| {r['shards']:,} | {r['phase']} | {_cell(r['startup_fresh_s'], '.2f', limit)} | "
+              f"{_cell(r['restart_s'], '.2f', limit if r['startup_fresh_s'] is not None or r['phase'] == 'after' else None)} | "
+              f"{_cell(r['follow_latency_s'], '.3f')} | {_cell(r['drain_batches_per_s'], '.1f')} | "
+              f"{r['export_groups_per_s']:,.0f} | {r['export_first_s']:.2f} | {r['viewer_first_page_s']:.2f} | {_cell(r['idle_rss_mib'], '.0f')} | {made} |")
 
 
 if __name__ == "__main__":

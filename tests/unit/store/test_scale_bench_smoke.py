@@ -30,3 +30,16 @@ def test_compaction_compare_smoke(tmp_path, capsys):
     scale.main(["--compare", "--smoke", "--dir", str(tmp_path / "scratch")])
     out = capsys.readouterr().out
     assert "| small | 100 |" in out and "| large | 2 |" in out and "footer parse + rewrite" in out
+
+
+def test_isolated_measurement_is_killed_past_its_limit():
+    import multiprocessing
+    import time
+
+    import pytest
+
+    begin = time.perf_counter()
+    with pytest.raises(multiprocessing.TimeoutError):
+        scale._isolated(time.sleep, 60, timeout=0.5)
+    assert time.perf_counter() - begin < 30
+    assert scale._cell(None, ".2f", 120) == "> 120 (killed)" and scale._cell(1.234, ".2f") == "1.23"

@@ -15,7 +15,7 @@ assert "pandas" not in sys.modules
 index = RunIndex(ShardStore(root), "gen")
 index.refresh()
 rows = index.read_rows(index.frame.head(25), ["group_id", "item_key"])
-assert [r["item_key"] for r in rows] == [f"item-{i}" for i in range(25)], rows
+assert [r["item_key"] for r in rows] == [f"item-{i:010d}" for i in range(25)], rows  # factory.synthetic_store.item_key
 print("pandas" in sys.modules)
 """
 
