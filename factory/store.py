@@ -858,8 +858,12 @@ class ShardStore:
 
     def _live_files(self, run_id: str, checksum: bool = True) -> list[tuple[Path, list[tuple[int, int]] | None]]:
         """(path, row ranges to read or None for all) of each intact live file, in commit order."""
+        return list(self._iter_live_files(run_id, checksum))
+
+    def _iter_live_files(self, run_id: str, checksum: bool = True) -> Iterator[tuple[Path, list[tuple[int, int]] | None]]:
+        """`_live_files` one at a time: each file is checked (size, sha256) just before it is handed out, so a
+        reader's first rows do not wait for every file of the run's history to be hashed."""
         self.problems = []
-        files = []
         shards = self.shards_dir(run_id)
         finished = False
         for name, size, sha256, ranges in self._read_log(run_id).live():
@@ -879,8 +883,7 @@ class ShardStore:
                 self.problems.append(ShardProblem(str(path), problem, problem.split(" ", 1)[0]))
                 logger.error("shard %s left out of reads: %s", path, problem)
             else:
-                files.append((path, ranges))
-        return files
+                yield path, ranges
 
     @staticmethod
     def _check(path: Path, record: CommitRecord, checksum: bool) -> str | None:
@@ -963,7 +966,7 @@ class ShardStore:
         whole; batches already yielded from it are not taken back, so callers
         that need all-or-nothing per shard should use `iter_shard_batches`.
         """
-        for path, ranges in self._live_files(run_id):
+        for path, ranges in self._iter_live_files(run_id):
             if ranges is None:
                 yield from self._read_shard(path, columns, batch_size)
             else:  # a compacted file some of whose shards were replaced since: only the rows still committed
