@@ -6,38 +6,20 @@ per test. Nothing here talks to a remote server."""
 from __future__ import annotations
 
 import hashlib
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+
+from bench.local_s3 import start_local_s3
 
 S3_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
     pytest.importorskip("moto", minversion="5.2.5")  # 5.2.1 answers pyarrow's CompleteMultipartUpload with an error
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+    server, endpoint = start_local_s3()
     try:
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.05)
         yield endpoint
     finally:
         server.terminate()

@@ -15,14 +15,11 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from bench.local_s3 import start_local_s3
 import factory.serve.follower  # noqa: F401 - imported before any timing (run-api imports them on first use)
 import factory.serve.ingest  # noqa: F401
 import factory.serve.payload  # noqa: F401
@@ -36,22 +33,6 @@ from factory.synthetic import synthetic_groups
 REGISTRATION = dict(wandb_group="g", wandb_project="p", batch_size=8, max_token_len=64, checkpoint_dir="ckpt",
                     save_checkpoint_interval=5, starting_step=0, num_steps=10**6)
 PER_SHARD = 10
-
-
-def _moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except OSError:
-            time.sleep(0.05)
-    return server, endpoint
 
 
 def _fill(store, shards: int, start: int = 0) -> None:
@@ -116,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards, args.rounds = 40, 1
-    server, endpoint = _moto()
+    server, endpoint = start_local_s3()
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=endpoint)
     import pyarrow.fs as pafs
