@@ -117,4 +117,5 @@ def exit_with_outage(line: str, code: int = 1) -> None:
     from factory.shutdown import hard_exit
 
     logging.disable(logging.CRITICAL)
+    logging.raiseExceptions = False  # Prefect's log worker reports its own failed uploads to stderr unless this is off
     hard_exit(code, f"error: {line}", drain_s=2)

@@ -46,7 +46,11 @@ def hard_exit(code: int, last_line: str | None = None, *, drain_s: float = 3) ->
         except Exception:  # noqa: BLE001
             pass
     if last_line is not None:
-        print(last_line, file=sys.stderr, flush=True)
+        # Threads still running (Prefect's log worker) may write after this point, and may have left a line
+        # unfinished (its "--- Error logging to API ---" report ends without a newline): silence them and start ours on
+        # a line of its own, written straight to the descriptor.
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+        os.write(2, f"\n{last_line}\n".encode())
     os._exit(code)
 
 

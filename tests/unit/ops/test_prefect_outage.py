@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import httpx
 import pytest
 
@@ -74,3 +78,25 @@ def test_a_report_during_an_outage_is_a_warning_not_a_failed_run(caplog):
     assert best_effort(lambda: 7) == 7
     with pytest.raises(ZeroDivisionError):
         best_effort(lambda: 1 / 0)  # a bug is not swallowed
+
+
+def test_the_outage_line_stays_last_and_whole_when_other_threads_write_to_stderr():
+    # Prefect's log worker reports a failed upload as "--- Error logging to API ---\n" + the error, with no newline,
+    # and keeps running while the process leaves: CI once saw "All connection attempts failederror: the Prefect ...".
+    script = textwrap.dedent("""
+        import sys, threading, time
+        from factory.prefect_outage import exit_with_outage
+
+        sys.stderr.write("--- Error logging to API ---\\nAll connection attempts failed")
+        def chatter():
+            while True:
+                sys.stderr.write("late report without newline")
+                time.sleep(0.001)
+        threading.Thread(target=chatter, daemon=True).start()
+        time.sleep(0.05)
+        exit_with_outage("the Prefect API at http://127.0.0.1:9/api stopped answering")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "error: the Prefect API at http://127.0.0.1:9/api stopped answering", done.stderr[-500:]
