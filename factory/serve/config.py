@@ -56,10 +56,10 @@ class ServeConfig(FactoryConfig):
     )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(
-        8.0, ge=0, description="Bytes of decoded row groups kept to serve consecutive batches (a batch reads a few "
-        "row groups and shares at most its first and last with its neighbours; more only raises RSS while draining: "
-        "32 MiB put the drain's peak 55 MiB higher, bench.serve.drain_rss). The most recent row group is kept even "
-        "when it is larger; all are dropped once no batch can be formed.",
+        8.0, ge=0, description="0 turns off the cache of decoded row groups; otherwise the row group of the last "
+        "row a batch took is kept, whatever its size, for the next batch, which starts there (batches take "
+        "consecutive rows). Keeping more only raised RSS while draining (bench.serve.drain_rss); it is dropped once "
+        "no batch can be formed.",
     )
     prefetch: bool = Field(True, description="Form and encode the next batch in the background after each /batch.")
     batch_order: Literal["oldest_first", "newest_first"] = Field(

@@ -58,6 +58,13 @@ def gzip_compress(body: bytes, level: int) -> bytes:
     return gzip.compress(body, compresslevel=level, mtime=0)
 
 
+def gzip_compressor(level: int) -> Any:
+    """A streaming compressor writing what `gzip_compress` writes (gzip framing, mtime 0) at zlib's `level`."""
+    if _igzip is not None:
+        return _zlib.compressobj((level + 2) // 3, _zlib.DEFLATED, 31)
+    return zlib.compressobj(level, zlib.DEFLATED, 31)
+
+
 def gzip_size_hint(body: bytes, limit: int) -> int:
     """The decompressed size a gzip body declares in its trailer (ISIZE), capped at `limit`."""
     return min(limit, int.from_bytes(body[-4:], "little")) if len(body) >= 18 else len(body)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
 from factory.serve.contract import SEQUENCE_FIELDS
-from factory.serve.http import gzip_compress
+from factory.serve.http import gzip_compress, gzip_compressor
 from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.queue import GroupQueue
@@ -75,7 +75,8 @@ class BatchBody:
     Bodies without rows (no batch, not registered) are JSON only.
     """
 
-    def __init__(self, raw: bytes | None = None, gz: bytes | None = None, keys: list[tuple[int, int]] | None = None) -> None:
+    def __init__(self, raw: bytes | None = None, gz: bytes | memoryview | None = None,
+                 keys: list[tuple[int, int]] | None = None) -> None:
         self.raw, self.gz, self.keys = raw, gz, keys
         self.arrow: bytes | None = None
 
@@ -687,7 +688,7 @@ class BatchService:
     def _encode(self, body: BatchBody, arrow: bool, compress: bool, table: pa.Table | None = None) -> BatchBody:
         """Make the encoding asked for, if `body` has not got it yet (in a thread), from `table` or its rows read
         again."""
-        from factory.serve.payload import batch_arrow, encode_batch
+        from factory.serve.payload import batch_arrow, batch_rows, encode_batch, gzip_batch
 
         if arrow:
             if body.arrow is None:
@@ -695,9 +696,18 @@ class BatchService:
             return body
         if body.ready(False, compress):
             return body
-        body.raw = encode_batch(table if table is not None else self._table(body.keys), metadata=self.config.batch_metadata)
-        table = None  # the rows are not needed for the gzip: not held beside it
+        if table is None:
+            table = self._table(body.keys)
         level = self.config.gzip_level
+        if compress and level and table.nbytes >= 8 * self.config.gzip_min_bytes:
+            # Surely over gzip_min_bytes as JSON (a number's text is at least a quarter of its Arrow bytes): gzip made
+            # while encoding, so the JSON body is never whole beside its gzip and the rows.
+            rows = batch_rows(table, metadata=self.config.batch_metadata)
+            table = None  # the rows hold what they need; each is let go once compressed
+            body.gz = gzip_batch(rows, gzip_compressor(level))
+            return body
+        body.raw = encode_batch(table, metadata=self.config.batch_metadata)
+        table = None  # the rows are not needed for the gzip: not held beside it
         if compress and level and len(body.raw) >= self.config.gzip_min_bytes:
             # A gzip client gets the gzip only: not keeping the JSON as well lowers what a prefetched body and the
             # one being sent hold (~2.3x less at gzip level 1); a client that does not take gzip has it made again.

@@ -68,3 +68,42 @@ def test_a_batch_body_is_one_orjson_call_with_no_reference_cycles(tmp_path):
 def test_batch_json_joins_once():
     assert batch_json([]) == b'{"batch":[]}'
     assert batch_json([b"{}", b'{"a":1}']) == b'{"batch":[{},{"a":1}]}'
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 4, 100])
+def test_a_gzip_batch_made_a_few_rows_at_a_time_is_the_json_body_gzipped(tmp_path, rows_per_chunk):
+    import gzip
+
+    from factory.serve.http import gzip_compressor
+    from factory.serve.payload import batch_rows, gzip_batch
+
+    store = ShardStore(tmp_path)
+    groups = list(synthetic_groups(9, group_size=3, seq_len=16))
+    groups[4].distill_token_ids = [[[1, 2]] * 16 for _ in range(3)]
+    groups[4].distill_logprobs = [[[-0.1, -2.0]] * 16 for _ in range(3)]
+    store.commit("r", "p", 0, groups, row_group_groups=4)
+    table = PayloadReader(1 << 20).read([(store.shard_paths("r")[0], row) for row in (8, 0, 4, 5, 1)])
+    for metadata in (False, True):
+        rows = batch_rows(table, metadata=metadata)
+        gz = gzip_batch(rows, gzip_compressor(1), rows_per_chunk=rows_per_chunk)
+        assert gz[:2] == b"\x1f\x8b" and rows == []
+        assert gzip.decompress(gz) == encode_batch(table, metadata=metadata)
+    empty = table.slice(0, 0)
+    assert gzip.decompress(gzip_batch(batch_rows(empty), gzip_compressor(6))) == b'{"batch":[]}'
+
+
+def test_the_reader_keeps_only_the_row_group_the_next_batch_starts_in(tmp_path):
+    from factory.serve.payload import PayloadError
+
+    store = ShardStore(tmp_path)
+    groups = list(synthetic_groups(12, group_size=2, seq_len=8))
+    store.commit("r", "p", 0, groups, row_group_groups=4)  # row groups: rows 0-3, 4-7, 8-11
+    path = store.shard_paths("r")[0]
+    reader = PayloadReader(1 << 20)
+    first = reader.read([(path, row) for row in range(0, 6)])
+    assert [list(map(list, t)) for t in first.column("tokens").to_pylist()] == [groups[r].tokens for r in range(6)]
+    assert list(reader._cache) == [(path, 1)]  # not row group 0, which no later batch needs
+    path.unlink()  # what is cached still serves; what is not must be read again
+    assert reader.read([(path, 6), (path, 7)]).column("tokens").to_pylist() == [groups[6].tokens, groups[7].tokens]
+    with pytest.raises(PayloadError):
+        reader.read([(path, 8)])
