@@ -61,7 +61,7 @@ from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
 from factory.store import (PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError, _sha256,
-                           _write_failure)
+                           _write_failure, save_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +180,23 @@ def compact_run(
         name = _merge(store, run_id, batch, row_group_groups, report, how)
         if name and progress:
             progress(f"{run_id}: merged {len(batch)} shards into {name}")
+    if report.files:
+        checkpoint(store, run_id)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def checkpoint(store: ShardStore, run_id: str) -> None:
+    """Save the run's manifest as the log stands after the compaction records.
+
+    A store checkpoints its manifest by lines appended (store.MANIFEST_EVERY_LINES), but one compaction record moves
+    thousands of shards: left to that rule, every reader started afterwards (viewer, run-api, export) would parse
+    the records and move each member again (at 50k shards compacted, ~1 s of the viewer's first page). The manifest
+    is a cache (written aside and renamed; the log stays the record), so a kill here loses nothing."""
+    log = store._read_log(run_id)
+    with store._logs_lock:  # not held by _read_log once it returns; keeps other threads' parsing out while saving
+        if log.lines > log.checkpoint_lines:
+            save_manifest(store.manifest_path(run_id), log)
 
 
 def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport,
@@ -224,7 +239,7 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             "committed_at": datetime.now(timezone.utc).isoformat(),
         }
         with store._locked(run_id):
-            current = store.committed(run_id)
+            current = store._read_log(run_id).records  # not `committed`: a copy of the whole history per file
             changed = [r.shard for r in batch if current.get(r.shard) != r]
             if changed:
                 report.skipped.append(f"{len(changed)} shards (first {changed[0]}) were replaced while being merged")
