@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
-from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
+from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns, split_columns
 from factory.viewer.query import Filters
 
 logger = logging.getLogger(__name__)
@@ -212,6 +212,12 @@ class RunIndex:
         if self._cursor is not None and cursor[0] != self._cursor[0]:
             self._reset()  # the log was re-read from its start (rewritten): every record comes again
         self._cursor = cursor
+        if not (self.shards or self._frames or self._pending or self._columns_of):
+            # a new index (the first page of a run): nothing to forget, `changes` lists each shard once
+            self._pending = {record.shard: record for record in records}
+            self._order.update(zip(self._pending, range(self._seq + 1, self._seq + 1 + len(self._pending))))
+            self._seq += len(self._pending)
+            return
         for record in records:
             # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
             self._seq += 1
@@ -299,15 +305,16 @@ class RunIndex:
                         [member.rows for member in batch])
         lead = batch[0].row_offset - first
         frame = index_table(table.slice(lead, len(ids)), pl.Series(ids), batch[0].row_offset)
+        columns = split_columns(frame, [member.rows for member in batch], self._envs, self._families)
         added = 0
-        for member in batch:
+        for member, shard_cols in zip(batch, columns):
             del self._pending[member.shard]
             entry = ShardEntry(len(self.by_id), member, path, member.rows, starts)
             piece = frame.slice(member.row_offset - batch[0].row_offset, member.rows)
             self.by_id.append(entry)
             self.shards[member.shard] = entry
             self._frames[member.shard] = piece
-            self._columns_of[member.shard] = shard_columns(piece, self._envs, self._families)
+            self._columns_of[member.shard] = shard_cols
             added += piece.height
         return added
 

@@ -4,10 +4,13 @@ after a compaction does not re-apply its records (issue 34: view-run's first pag
 
 from __future__ import annotations
 
+import numpy as np
+import polars as pl
 import pyarrow.parquet as pq
 
 from factory.store import ShardStore, _LogTail
 from factory.store_compact import compact_run
+from factory.viewer.columns import Codes, shard_columns, split_columns
 from factory.viewer.index import RunIndex
 
 
@@ -45,6 +48,9 @@ def test_compacted_shards_are_indexed_one_row_group_read_at_a_time(tmp_path, mon
     assert len(reads) == 3, reads  # one read per row group; shard by shard it was 12
     assert index.frame.select("group_id", "item_key", "score_mean", "length_mean").to_dicts() == expected
     assert index.frame["row"].to_list() == list(range(120))  # rows of the merged file
+    for name in ("env", "family", "difficulty", "policy_version", "score_mean", "created_s", "group_size", "scores",
+                 "lengths", "first"):  # the numpy columns, made per row group and sliced, as made shard by shard
+        np.testing.assert_array_equal(getattr(index.columns, name), getattr(plain.columns, name), err_msg=name)
     assert sorted(set(index.frame["shard"].to_list())) == list(range(12))
     for name, entry in index.shards.items():  # each shard's own rows
         frame = index._frames[name]
@@ -81,3 +87,26 @@ def test_a_reader_started_after_a_compaction_does_not_reapply_its_records(tmp_pa
     assert {record.file for record in records.values()} == set(report.files)
     assert [r.shard for r in records.values()] == [r.shard for r in store.committed(run).values()]
     assert fresh.verify(run) == []
+
+
+def test_split_columns_equals_columns_of_each_piece():
+    frame = pl.DataFrame({
+        "env": ["a", "b", "a", "c", "b"], "family": ["x", "y", "x", "z", "y"], "difficulty": [1, None, 3, 4, 5],
+        "policy_version": [0, 1, 2, 3, 4], "score_mean": [0.5, None, 1.0, 0.0, 0.25],
+        "created_at": pl.Series([1, 2, 3, 4, 5]).cast(pl.Datetime("us", "UTC")),
+        "group_size": [2, 0, 1, 3, 2],
+        "scores": [[0.0, 1.0], [], [1.0], [0.0, 0.0, 0.0], [0.5, 0.0]],
+        "lengths": [[3, 4], [], [5], [1, 2, 3], [7, 8]],
+    })
+    for sizes, nulls in (([2, 1, 2], False), ([5], False), ([1, 1, 1, 1, 1], False), ([2, 3], True)):
+        data = frame.with_columns(pl.Series("scores", [[0.0, None], [], [1.0], [0.0, 0.0, 0.0], [0.5, 0.0]])) if nulls else frame
+        split_codes = Codes(), Codes()
+        split = split_columns(data, sizes, *split_codes)
+        codes, start = (Codes(), Codes()), 0
+        for size, piece in zip(sizes, split):
+            expected = shard_columns(data.slice(start, size), *codes)
+            for name, made, wanted in (("env", split_codes[0], codes[0]), ("family", split_codes[1], codes[1])):
+                assert [made.names[i] for i in getattr(piece, name)] == [wanted.names[i] for i in getattr(expected, name)]
+            for name in ("difficulty", "policy_version", "score_mean", "created_s", "group_size", "scores", "lengths"):
+                np.testing.assert_array_equal(getattr(piece, name), getattr(expected, name), err_msg=f"{sizes} {name}")
+            start += size
