@@ -25,7 +25,7 @@ Steps (each safe to be killed after):
    were (not replaced meanwhile), and the record is appended (the commit point:
    a checked line, fsynced; see commit_log.py);
 3. the merged file is renamed to its visible name;
-4. the member files are removed.
+4. the member files are removed (several at a time: each removal mostly waits for the filesystem).
 A kill before 2 leaves a hidden temporary file (repair removes stale ones) and
 the shards as they were; after 2, the next commit, read or `repair` of the
 run finishes 3 and 4 from the log. Compaction runs beside live writers: they
@@ -45,9 +45,8 @@ import logging
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,6 +74,8 @@ and exports ran 5-8x slower (bench/RESULTS.md)."""
 METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
+UNLINK_THREADS = 16
+"""Threads removing merged members (each mostly waits in the kernel; see `_remove_members`)."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
 
@@ -254,9 +255,8 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             os.replace(tmp, shards / name)
             fsync_dir(shards)
             _reached("renamed")
-            for member in batch:
-                (shards / member.shard).unlink(missing_ok=True)
-                _reached("removing")
+            # (under the lock, as before: a shard name committed again meanwhile is not removed)
+            _remove_members([os.path.join(os.fspath(shards), member.shard) for member in batch])
             fsync_dir(shards)
     finally:
         if not logged:
@@ -274,6 +274,30 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     report.bytes_out += size
     logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
     return name
+
+
+def _remove_members(paths: list[str]) -> None:
+    """Remove merged member files (already retired by the log), `UNLINK_THREADS` at a time.
+
+    On this machine's ext4 (mounted with `discard`) removing a shard whose blocks are on disk waits ~0.4-1.1 ms
+    in the kernel, mostly for the journal, not the CPU; one at a time that was most of a compaction's time
+    (bench/RESULTS.md, issue 34 compaction throughput), several at once overlap the waits."""
+    def remove(part: list[str]) -> None:
+        for path in part:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    remove(paths[:1])
+    _reached("removing")
+    rest = paths[1:]
+    if len(rest) < 2 * UNLINK_THREADS:
+        remove(rest)
+        return
+    with ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="compact-unlink") as pool:
+        for done in [pool.submit(remove, rest[i::UNLINK_THREADS]) for i in range(UNLINK_THREADS)]:
+            done.result()
 
 
 def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
@@ -336,81 +360,54 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
     merged, None). Raises `ConcatRefused` where the pages cannot be gathered as they are.
 
     Each member is read with one read of its whole file and checked against the log's size and sha256 (the same
-    checks, and the same reasons, as `ShardStore._check`); only its footer is parsed. Hashing the members, and
-    hashing and writing the output, run on a second thread (hashlib and os.write let go of the GIL) while the
-    next members' footers are parsed; a member found damaged only after it was written leaves `tmp` to be removed
-    like any other unfinished merge."""
+    checks, and the same reasons, as `ShardStore._check`) before its footer is parsed; what is gathered is hashed
+    and written once per output row group. All on this thread: with the hashing on a second one (as before), each
+    member's open, read and close handed the GIL over and waited to get it back, which under load cost more than
+    the hashing it overlapped (bench/RESULTS.md, issue 34 compaction throughput)."""
     digest = hashlib.sha256()
     rows = 0
     written: list[Any] = []
-    unchecked: list[tuple[bytes, CommitRecord, Path]] = []
-    jobs: deque[Future[str | None]] = deque()
+    directory = os.fspath(shards)
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
 
-    def write(pieces: list[Any]) -> None:
-        for piece in pieces:
+    def write() -> None:
+        for piece in written:
             digest.update(piece)
             view = memoryview(piece)
             while view:  # a short write goes on where it stopped
                 view = view[os.write(fd, view):]
-
-    def check(members: list[tuple[bytes, CommitRecord, Path]]) -> str | None:
-        for data, record, path in members:
-            if hashlib.sha256(data).hexdigest() != record.sha256:
-                return f"shard {path}: sha256 differs from the commit log (corrupt)"
-        return None
-
-    def submit(keep: int) -> str | None:
-        """Hand what is gathered to the second thread; wait until at most `keep` jobs are outstanding."""
-        if unchecked:
-            jobs.append(hasher.submit(check, unchecked[:]))
-            unchecked.clear()
-        if written:  # PageMerge appends to this very list
-            jobs.append(hasher.submit(write, written[:]))
-            written.clear()
-        while len(jobs) > keep:
-            problem = jobs.popleft().result()
-            if problem:
-                return problem
-        return None
+        written.clear()
 
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="compact-pages") as hasher:
+        merge = PageMerge(written.append, row_group_groups)
+        for record in batch:
+            path = os.path.join(directory, record.shard)
             try:
-                merge = PageMerge(written.append, row_group_groups)
-                for record in batch:
-                    path = shards / record.shard
-                    try:
-                        member = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                    except FileNotFoundError:
-                        return 0, f"shard {path}: missing", None
-                    try:
-                        data = os.read(member, record.bytes + 1)
-                        while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
-                            more = os.read(member, record.bytes + 1 - len(data))
-                            if not more:
-                                break
-                            data += more
-                    finally:
-                        os.close(member)
-                    if len(data) != record.bytes:
-                        return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-                    unchecked.append((data, record, path))
-                    held = merge.add(data, str(path))
-                    if held != record.rows:
-                        return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
-                    rows += held
-                    if len(unchecked) >= 64 or written:
-                        problem = submit(8)
-                        if problem:
-                            return 0, problem, None
-                merge.finish()
-            except ConcatRefused:
-                if problem := submit(0):  # a damaged member, not a refusal: say so
-                    return 0, problem, None
-                raise
-            if problem := submit(0):
-                return 0, problem, None
+                member = os.open(path, flags)
+            except FileNotFoundError:
+                return 0, f"shard {path}: missing", None
+            try:
+                data = os.read(member, record.bytes + 1)
+                while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
+                    more = os.read(member, record.bytes + 1 - len(data))
+                    if not more:
+                        break
+                    data += more
+            finally:
+                os.close(member)
+            if len(data) != record.bytes:
+                return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+            if hashlib.sha256(data).hexdigest() != record.sha256:
+                return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
+            held = merge.add(data, path)
+            if held != record.rows:
+                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+            rows += held
+            if written:
+                write()
+        merge.finish()
+        write()
         os.fsync(fd)
     finally:
         os.close(fd)
