@@ -46,7 +46,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,8 +59,8 @@ from factory.commit_log import encode_line, fsync_dir
 from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
-from factory.store import (PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError, _sha256,
-                           _write_failure, save_manifest)
+from factory.store import (MANIFEST_EVERY_LINES, PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError,
+                           _sha256, _write_failure, save_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
 UNLINK_THREADS = 16
-"""Threads removing merged members (each mostly waits in the kernel; see `_remove_members`)."""
+"""Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
 
@@ -176,12 +176,16 @@ def compact_run(
     check_writers_are_current(store, run_id)
     report = CompactReport(run_id)
     start = time.perf_counter()
-    for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
-        how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
-        name = _merge(store, run_id, batch, row_group_groups, report, how)
-        if name and progress:
-            progress(f"{run_id}: merged {len(batch)} shards into {name}")
-    if report.files:
+    removals = _Removals(store, run_id)
+    try:
+        for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
+            how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
+            name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
+            if name and progress:
+                progress(f"{run_id}: merged {len(batch)} shards into {name}")
+    finally:
+        removals.finish()
+    if report.shards >= MANIFEST_EVERY_LINES:
         checkpoint(store, run_id)
     report.seconds = time.perf_counter() - start
     return report
@@ -193,7 +197,11 @@ def checkpoint(store: ShardStore, run_id: str) -> None:
     A store checkpoints its manifest by lines appended (store.MANIFEST_EVERY_LINES), but one compaction record moves
     thousands of shards: left to that rule, every reader started afterwards (viewer, run-api, export) would parse
     the records and move each member again (at 50k shards compacted, ~1 s of the viewer's first page). The manifest
-    is a cache (written aside and renamed; the log stays the record), so a kill here loses nothing."""
+    is a cache (written aside and renamed; the log stays the record), so a kill here loses nothing. Done only where
+    the compaction moved at least MANIFEST_EVERY_LINES shards: re-applying fewer costs a reader milliseconds, and
+    saving costs the compactor the manifest's size plus, once per process, pyarrow's import of pandas (~0.5 s).
+    (Many small compactions in a row still leave their records to every reader until the log's own rule saves a
+    manifest: counting moved shards, not lines, in that rule would cover them.)"""
     log = store._read_log(run_id)
     with store._logs_lock:  # not held by _read_log once it returns; keeps other threads' parsing out while saving
         if log.lines > log.checkpoint_lines:
@@ -201,7 +209,7 @@ def checkpoint(store: ShardStore, run_id: str) -> None:
 
 
 def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport,
-           how: str = "pages") -> str | None:
+           how: str = "pages", removals: _Removals | None = None) -> str | None:
     shards = store.shards_dir(run_id)
     name = f"compact-{Path(batch[0].shard).stem}-{uuid.uuid4().hex[:8]}.parquet"
     tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
@@ -255,9 +263,14 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             os.replace(tmp, shards / name)
             fsync_dir(shards)
             _reached("renamed")
-            # (under the lock, as before: a shard name committed again meanwhile is not removed)
-            _remove_members([os.path.join(os.fspath(shards), member.shard) for member in batch])
-            fsync_dir(shards)
+            paths = [os.path.join(os.fspath(shards), member.shard) for member in batch]
+            _remove(paths[:1])
+            _reached("removing")
+        own = removals is None
+        removals = removals or _Removals(store, run_id)
+        removals.start(paths[1:])  # the rest while the next batch is merged, under the run's lock (see _Removals)
+        if own:
+            removals.finish()
     finally:
         if not logged:
             tmp.unlink(missing_ok=True)
@@ -276,28 +289,61 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     return name
 
 
-def _remove_members(paths: list[str]) -> None:
-    """Remove merged member files (already retired by the log), `UNLINK_THREADS` at a time.
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class _Removals:
+    """Merged members' files (retired by the log, the merged file in place) removed `UNLINK_THREADS` at a time, on
+    a background thread while the next batch is merged; `finish` waits for them and makes the removals durable.
 
     On this machine's ext4 (mounted with `discard`) removing a shard whose blocks are on disk waits ~0.4-1.1 ms
-    in the kernel, mostly for the journal, not the CPU; one at a time that was most of a compaction's time
-    (bench/RESULTS.md, issue 34 compaction throughput), several at once overlap the waits."""
-    def remove(part: list[str]) -> None:
-        for path in part:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    in the kernel, mostly for the journal, not the CPU: one at a time, in line, that was most of a compaction's
+    time (bench/RESULTS.md, issue 34 compaction throughput). Each batch's removals hold the run's lock, as when
+    they were done in line: a shard committed again under its name meanwhile (`commit(replace=True)`, repair) is
+    not removed. A kill leaves retired files that the next commit, read or repair removes, as before."""
 
-    remove(paths[:1])
-    _reached("removing")
-    rest = paths[1:]
-    if len(rest) < 2 * UNLINK_THREADS:
-        remove(rest)
-        return
-    with ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="compact-unlink") as pool:
-        for done in [pool.submit(remove, rest[i::UNLINK_THREADS]) for i in range(UNLINK_THREADS)]:
-            done.result()
+    def __init__(self, store: ShardStore, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self.background: ThreadPoolExecutor | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.jobs: list[Future[None]] = []
+        self.removed = False
+
+    def start(self, paths: list[str]) -> None:
+        self.removed = True
+        if len(paths) < 2 * UNLINK_THREADS:
+            with self.store._locked(self.run_id):
+                _remove(paths)
+            return
+        if self.background is None:
+            self.background = ThreadPoolExecutor(1, thread_name_prefix="compact-remove")
+            self.pool = ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="compact-unlink")
+        self.jobs.append(self.background.submit(self._remove_locked, paths))
+
+    def _remove_locked(self, paths: list[str]) -> None:
+        assert self.pool is not None
+        with self.store._locked(self.run_id):
+            for done in [self.pool.submit(_remove, paths[i::UNLINK_THREADS]) for i in range(UNLINK_THREADS)]:
+                done.result()
+
+    def finish(self) -> None:
+        try:
+            for job in self.jobs:
+                job.result()
+        finally:
+            for pool in (self.background, self.pool):
+                if pool is not None:
+                    pool.shutdown()
+            self.background = self.pool = None
+            self.jobs = []
+        if self.removed:
+            fsync_dir(self.store.shards_dir(self.run_id))
+            self.removed = False
 
 
 def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:

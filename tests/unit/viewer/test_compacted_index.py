@@ -68,6 +68,7 @@ def test_compacted_shards_are_indexed_one_row_group_read_at_a_time(tmp_path, mon
 
 
 def test_a_reader_started_after_a_compaction_does_not_reapply_its_records(tmp_path, monkeypatch):
+    monkeypatch.setattr("factory.store_compact.MANIFEST_EVERY_LINES", 20)  # checkpointed from 20 shards moved (1000)
     run = _build(tmp_path, 30)
     store = ShardStore(tmp_path)
     report = compact_run(store, run, target_bytes=sum(r.bytes for r in store.committed(run).values()) // 3)
