@@ -198,7 +198,9 @@ class _LogTail:
         for shard, rows, sha256 in data["members"]:
             record = self.records.get(shard)
             if record is not None and record.sha256 == sha256 and record.rows == rows:
-                self.records[shard] = replace_record(record, file=name, row_offset=offset)
+                self.records[shard] = CommitRecord(  # as replace_record(record, file=, row_offset=), ~5x faster
+                    record.shard, record.run_id, record.producer, record.chunk, record.rows, record.bytes,
+                    record.sha256, record.committed_at, record.skipped, name, offset)
                 self.changed.append(shard)
             else:  # the compactor checks this under the run's lock; a mismatch means a hand-edited log
                 logger.error("compaction record %s names shard %s that the log does not hold as such; left as it is", name, shard)

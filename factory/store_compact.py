@@ -25,7 +25,7 @@ Steps (each safe to be killed after):
    were (not replaced meanwhile), and the record is appended (the commit point:
    a checked line, fsynced; see commit_log.py);
 3. the merged file is renamed to its visible name;
-4. the member files are removed.
+4. the member files are removed (several at a time: each removal mostly waits for the filesystem).
 A kill before 2 leaves a hidden temporary file (repair removes stale ones) and
 the shards as they were; after 2, the next commit, read or `repair` of the
 run finishes 3 and 4 from the log. Compaction runs beside live writers: they
@@ -45,7 +45,6 @@ import logging
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,8 +59,8 @@ from factory.commit_log import encode_line, fsync_dir
 from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
-from factory.store import (PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError, _sha256,
-                           _write_failure)
+from factory.store import (MANIFEST_EVERY_LINES, PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError,
+                           _sha256, _write_failure, save_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +74,8 @@ and exports ran 5-8x slower (bench/RESULTS.md)."""
 METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
+UNLINK_THREADS = 16
+"""Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
 
@@ -175,17 +176,40 @@ def compact_run(
     check_writers_are_current(store, run_id)
     report = CompactReport(run_id)
     start = time.perf_counter()
-    for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
-        how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
-        name = _merge(store, run_id, batch, row_group_groups, report, how)
-        if name and progress:
-            progress(f"{run_id}: merged {len(batch)} shards into {name}")
+    removals = _Removals(store, run_id)
+    try:
+        for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
+            how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
+            name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
+            if name and progress:
+                progress(f"{run_id}: merged {len(batch)} shards into {name}")
+    finally:
+        removals.finish()
+    if report.shards >= MANIFEST_EVERY_LINES:
+        checkpoint(store, run_id)
     report.seconds = time.perf_counter() - start
     return report
 
 
+def checkpoint(store: ShardStore, run_id: str) -> None:
+    """Save the run's manifest as the log stands after the compaction records.
+
+    A store checkpoints its manifest by lines appended (store.MANIFEST_EVERY_LINES), but one compaction record moves
+    thousands of shards: left to that rule, every reader started afterwards (viewer, run-api, export) would parse
+    the records and move each member again (at 50k shards compacted, ~1 s of the viewer's first page). The manifest
+    is a cache (written aside and renamed; the log stays the record), so a kill here loses nothing. Done only where
+    the compaction moved at least MANIFEST_EVERY_LINES shards: re-applying fewer costs a reader milliseconds, and
+    saving costs the compactor the manifest's size plus, once per process, pyarrow's import of pandas (~0.5 s).
+    (Many small compactions in a row still leave their records to every reader until the log's own rule saves a
+    manifest: counting moved shards, not lines, in that rule would cover them.)"""
+    log = store._read_log(run_id)
+    with store._logs_lock:  # not held by _read_log once it returns; keeps other threads' parsing out while saving
+        if log.lines > log.checkpoint_lines:
+            save_manifest(store.manifest_path(run_id), log)
+
+
 def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport,
-           how: str = "pages") -> str | None:
+           how: str = "pages", removals: _Removals | None = None) -> str | None:
     shards = store.shards_dir(run_id)
     name = f"compact-{Path(batch[0].shard).stem}-{uuid.uuid4().hex[:8]}.parquet"
     tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
@@ -224,7 +248,7 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             "committed_at": datetime.now(timezone.utc).isoformat(),
         }
         with store._locked(run_id):
-            current = store.committed(run_id)
+            current = store._read_log(run_id).records  # not `committed`: a copy of the whole history per file
             changed = [r.shard for r in batch if current.get(r.shard) != r]
             if changed:
                 report.skipped.append(f"{len(changed)} shards (first {changed[0]}) were replaced while being merged")
@@ -239,10 +263,14 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             os.replace(tmp, shards / name)
             fsync_dir(shards)
             _reached("renamed")
-            for member in batch:
-                (shards / member.shard).unlink(missing_ok=True)
-                _reached("removing")
-            fsync_dir(shards)
+            paths = [os.path.join(os.fspath(shards), member.shard) for member in batch]
+            _remove(paths[:1])
+            _reached("removing")
+        own = removals is None
+        removals = removals or _Removals(store, run_id)
+        removals.start(paths[1:])  # the rest while the next batch is merged, under the run's lock (see _Removals)
+        if own:
+            removals.finish()
     finally:
         if not logged:
             tmp.unlink(missing_ok=True)
@@ -259,6 +287,63 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     report.bytes_out += size
     logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
     return name
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class _Removals:
+    """Merged members' files (retired by the log, the merged file in place) removed `UNLINK_THREADS` at a time, on
+    a background thread while the next batch is merged; `finish` waits for them and makes the removals durable.
+
+    On this machine's ext4 (mounted with `discard`) removing a shard whose blocks are on disk waits ~0.4-1.1 ms
+    in the kernel, mostly for the journal, not the CPU: one at a time, in line, that was most of a compaction's
+    time (bench/RESULTS.md, issue 34 compaction throughput). Each batch's removals hold the run's lock, as when
+    they were done in line: a shard committed again under its name meanwhile (`commit(replace=True)`, repair) is
+    not removed. A kill leaves retired files that the next commit, read or repair removes, as before."""
+
+    def __init__(self, store: ShardStore, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self.background: ThreadPoolExecutor | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.jobs: list[Future[None]] = []
+        self.removed = False
+
+    def start(self, paths: list[str]) -> None:
+        self.removed = True
+        if len(paths) < 2 * UNLINK_THREADS:
+            with self.store._locked(self.run_id):
+                _remove(paths)
+            return
+        if self.background is None:
+            self.background = ThreadPoolExecutor(1, thread_name_prefix="compact-remove")
+            self.pool = ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="compact-unlink")
+        self.jobs.append(self.background.submit(self._remove_locked, paths))
+
+    def _remove_locked(self, paths: list[str]) -> None:
+        assert self.pool is not None
+        with self.store._locked(self.run_id):
+            for done in [self.pool.submit(_remove, paths[i::UNLINK_THREADS]) for i in range(UNLINK_THREADS)]:
+                done.result()
+
+    def finish(self) -> None:
+        try:
+            for job in self.jobs:
+                job.result()
+        finally:
+            for pool in (self.background, self.pool):
+                if pool is not None:
+                    pool.shutdown()
+            self.background = self.pool = None
+            self.jobs = []
+        if self.removed:
+            fsync_dir(self.store.shards_dir(self.run_id))
+            self.removed = False
 
 
 def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
@@ -321,81 +406,54 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
     merged, None). Raises `ConcatRefused` where the pages cannot be gathered as they are.
 
     Each member is read with one read of its whole file and checked against the log's size and sha256 (the same
-    checks, and the same reasons, as `ShardStore._check`); only its footer is parsed. Hashing the members, and
-    hashing and writing the output, run on a second thread (hashlib and os.write let go of the GIL) while the
-    next members' footers are parsed; a member found damaged only after it was written leaves `tmp` to be removed
-    like any other unfinished merge."""
+    checks, and the same reasons, as `ShardStore._check`) before its footer is parsed; what is gathered is hashed
+    and written once per output row group. All on this thread: with the hashing on a second one (as before), each
+    member's open, read and close handed the GIL over and waited to get it back, which under load cost more than
+    the hashing it overlapped (bench/RESULTS.md, issue 34 compaction throughput)."""
     digest = hashlib.sha256()
     rows = 0
     written: list[Any] = []
-    unchecked: list[tuple[bytes, CommitRecord, Path]] = []
-    jobs: deque[Future[str | None]] = deque()
+    directory = os.fspath(shards)
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
 
-    def write(pieces: list[Any]) -> None:
-        for piece in pieces:
+    def write() -> None:
+        for piece in written:
             digest.update(piece)
             view = memoryview(piece)
             while view:  # a short write goes on where it stopped
                 view = view[os.write(fd, view):]
-
-    def check(members: list[tuple[bytes, CommitRecord, Path]]) -> str | None:
-        for data, record, path in members:
-            if hashlib.sha256(data).hexdigest() != record.sha256:
-                return f"shard {path}: sha256 differs from the commit log (corrupt)"
-        return None
-
-    def submit(keep: int) -> str | None:
-        """Hand what is gathered to the second thread; wait until at most `keep` jobs are outstanding."""
-        if unchecked:
-            jobs.append(hasher.submit(check, unchecked[:]))
-            unchecked.clear()
-        if written:  # PageMerge appends to this very list
-            jobs.append(hasher.submit(write, written[:]))
-            written.clear()
-        while len(jobs) > keep:
-            problem = jobs.popleft().result()
-            if problem:
-                return problem
-        return None
+        written.clear()
 
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="compact-pages") as hasher:
+        merge = PageMerge(written.append, row_group_groups)
+        for record in batch:
+            path = os.path.join(directory, record.shard)
             try:
-                merge = PageMerge(written.append, row_group_groups)
-                for record in batch:
-                    path = shards / record.shard
-                    try:
-                        member = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                    except FileNotFoundError:
-                        return 0, f"shard {path}: missing", None
-                    try:
-                        data = os.read(member, record.bytes + 1)
-                        while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
-                            more = os.read(member, record.bytes + 1 - len(data))
-                            if not more:
-                                break
-                            data += more
-                    finally:
-                        os.close(member)
-                    if len(data) != record.bytes:
-                        return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-                    unchecked.append((data, record, path))
-                    held = merge.add(data, str(path))
-                    if held != record.rows:
-                        return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
-                    rows += held
-                    if len(unchecked) >= 64 or written:
-                        problem = submit(8)
-                        if problem:
-                            return 0, problem, None
-                merge.finish()
-            except ConcatRefused:
-                if problem := submit(0):  # a damaged member, not a refusal: say so
-                    return 0, problem, None
-                raise
-            if problem := submit(0):
-                return 0, problem, None
+                member = os.open(path, flags)
+            except FileNotFoundError:
+                return 0, f"shard {path}: missing", None
+            try:
+                data = os.read(member, record.bytes + 1)
+                while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
+                    more = os.read(member, record.bytes + 1 - len(data))
+                    if not more:
+                        break
+                    data += more
+            finally:
+                os.close(member)
+            if len(data) != record.bytes:
+                return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+            if hashlib.sha256(data).hexdigest() != record.sha256:
+                return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
+            held = merge.add(data, path)
+            if held != record.rows:
+                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+            rows += held
+            if written:
+                write()
+        merge.finish()
+        write()
         os.fsync(fd)
     finally:
         os.close(fd)

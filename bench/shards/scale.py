@@ -156,7 +156,8 @@ def measure_viewer(root: str) -> dict:
     frame = index.frame
     frame = frame() if callable(frame) else frame
     rows = index.read_rows(frame.head(50), ["group_id", "item_key"])
-    return {"viewer_first_page_s": time.perf_counter() - begin, "viewer_rows": len(rows), "viewer_pending": index.pending}
+    return {"viewer_first_page_s": time.perf_counter() - begin, "viewer_rows": len(rows), "viewer_pending": index.pending,
+            "viewer_indexed_groups": frame.height}
 
 
 def compact(root: str, target_mb: float, method: str | None = None) -> dict:

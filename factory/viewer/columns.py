@@ -65,6 +65,34 @@ def shard_columns(frame: pl.DataFrame, envs: Codes, families: Codes) -> ShardCol
     )
 
 
+def split_columns(frame: pl.DataFrame, sizes: list[int], envs: Codes, families: Codes) -> list[ShardColumns]:
+    """`shard_columns` of consecutive pieces of `frame` of `sizes` rows each (the shards of one row group of a
+    compacted file), made once for the whole frame and sliced: a few polars calls per row group, not per shard."""
+    whole = shard_columns(frame, envs, families)
+    scores_per_group = frame["scores"].list.len().fill_null(0).to_numpy().astype(np.int64)
+    lengths_per_group = frame["lengths"].list.len().fill_null(0).to_numpy().astype(np.int64)
+    if scores_per_group.sum() != len(whole.scores) or lengths_per_group.sum() != len(whole.lengths):
+        # null or empty lists (explode/drop_nulls counts them otherwise): slice the frame instead
+        pieces, start = [], 0
+        for size in sizes:
+            pieces.append(shard_columns(frame.slice(start, size), envs, families))
+            start += size
+        return pieces
+    group_ends = np.cumsum(sizes)
+    score_ends = np.concatenate([[0], np.cumsum(scores_per_group)])[group_ends]
+    length_ends = np.concatenate([[0], np.cumsum(lengths_per_group)])[group_ends]
+    pieces, group, score, length = [], 0, 0, 0
+    for end, score_end, length_end in zip(group_ends.tolist(), score_ends.tolist(), length_ends.tolist()):
+        rows = slice(group, end)
+        pieces.append(ShardColumns(
+            env=whole.env[rows], family=whole.family[rows], difficulty=whole.difficulty[rows],
+            policy_version=whole.policy_version[rows], score_mean=whole.score_mean[rows],
+            created_s=whole.created_s[rows], group_size=whole.group_size[rows],
+            scores=whole.scores[score:score_end], lengths=whole.lengths[length:length_end]))
+        group, score, length = end, score_end, length_end
+    return pieces
+
+
 @dataclass
 class Columns:
     """All indexed groups of a run, in commit order (position i is the i-th group)."""

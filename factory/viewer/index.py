@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
-from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns
+from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns, split_columns
 from factory.viewer.query import Filters
 
 logger = logging.getLogger(__name__)
@@ -64,21 +64,33 @@ def index_shard(path: Path | str, shard_id: int, rows: tuple[int, int] | None = 
     groups that hold them; "row" is still the row in the file. `filesystem`: an object store's (None: a local path).
     """
     parquet = pq.ParquetFile(path, filesystem=filesystem, page_checksum_verification=True)
-    names = set(parquet.schema_arrow.names)
-    columns = INDEX_COLUMNS + (["difficulty"] if "difficulty" in names else [])
-    first = 0
     if rows is None:
-        table = parquet.read(columns=columns)
-    else:
-        starts, total = [], 0
-        for number in range(parquet.metadata.num_row_groups):
-            starts.append(total)
-            total += parquet.metadata.row_group(number).num_rows
-        low, high = _row_group_of(starts, rows[0]), _row_group_of(starts, max(rows[0], rows[0] + rows[1] - 1))
-        first = starts[low] if starts else 0
-        table = parquet.read_row_groups(list(range(low, high + 1)), columns=columns) if starts else parquet.read(columns=columns)
-        table = table.slice(rows[0] - first, rows[1])
-        first = rows[0]
+        return index_table(parquet.read(columns=_index_columns(parquet)), shard_id, 0)
+    starts = row_group_starts(parquet.metadata)
+    if not starts:
+        return index_table(parquet.read(columns=_index_columns(parquet)), shard_id, 0).slice(rows[0], rows[1])
+    low, high = _row_group_of(starts, rows[0]), _row_group_of(starts, max(rows[0], rows[0] + rows[1] - 1))
+    table = parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
+    return index_table(table.slice(rows[0] - starts[low], rows[1]), shard_id, rows[0])
+
+
+def _index_columns(parquet: pq.ParquetFile) -> list[str]:
+    return INDEX_COLUMNS + (["difficulty"] if "difficulty" in parquet.schema_arrow.names else [])
+
+
+def row_group_starts(metadata: pq.FileMetaData) -> list[int]:
+    """First row of each row group of a Parquet file."""
+    starts, total = [], 0
+    for number in range(metadata.num_row_groups):
+        starts.append(total)
+        total += metadata.row_group(number).num_rows
+    return starts
+
+
+def index_table(table: pa.Table, shard: int | pl.Series, first: int) -> pl.DataFrame:
+    """Index rows of `table` (the INDEX_COLUMNS of rows `first`.. of a file): `shard` is the shard id of every
+    row, or a series of one per row (rows of several shards of a compacted file read at once)."""
+    has_difficulty = "difficulty" in table.schema.names
     tokens_type = table.schema.field("tokens").type
     tokens = table.column("tokens").combine_chunks() if table.num_rows else pa.array([], type=tokens_type)
     sequence_lengths = pc.list_value_length(tokens.flatten()).cast(pa.int32())
@@ -86,9 +98,10 @@ def index_shard(path: Path | str, shard_id: int, rows: tuple[int, int] | None = 
     lengths = pa.ListArray.from_arrays(offsets, sequence_lengths)
     frame = pl.from_arrow(table.drop_columns(["tokens"]).append_column("lengths", lengths))
     assert isinstance(frame, pl.DataFrame)
-    family, difficulty = label_expressions("difficulty" in names)
+    family, difficulty = label_expressions(has_difficulty)
+    shard_column = shard.cast(pl.UInt32) if isinstance(shard, pl.Series) else pl.lit(shard, dtype=pl.UInt32)
     return frame.select(
-        pl.lit(shard_id, dtype=pl.UInt32).alias("shard"),
+        shard_column.alias("shard"),
         (pl.int_range(pl.len(), dtype=pl.UInt32) + first).cast(pl.UInt32).alias("row"),
         "group_id", "env", "item_key",
         family.alias("family"),
@@ -155,6 +168,8 @@ class RunIndex:
         self.run_stats: dict[str, dict[str, Any]] = {}
         self._metrics_key: tuple[str, int, int] | None = None
         self._metrics: list[dict[str, Any]] = []
+        self._merged: dict[str, tuple[pq.FileMetaData, list[int]]] = {}
+        """Footer and row-group starts of the compacted files read last (their names are never reused)."""
         self.lock = threading.RLock()
 
     # ---- keeping up with the commit log ----
@@ -174,8 +189,12 @@ class RunIndex:
                 if budget_s is not None and indexed and time.monotonic() - started > budget_s:
                     break
                 name = next(reversed(self._pending))
-                record = self._pending.pop(name)
-                added += self._add(record)
+                record = self._pending[name]
+                if record.file:  # a compacted shard: it and its pending neighbours in the same row groups
+                    added += self._add_merged(record)
+                else:
+                    del self._pending[name]
+                    added += self._add(record)
                 indexed += 1
                 self._frame = self._columns = None
             self._refresh_stats()
@@ -193,6 +212,12 @@ class RunIndex:
         if self._cursor is not None and cursor[0] != self._cursor[0]:
             self._reset()  # the log was re-read from its start (rewritten): every record comes again
         self._cursor = cursor
+        if not (self.shards or self._frames or self._pending or self._columns_of):
+            # a new index (the first page of a run): nothing to forget, `changes` lists each shard once
+            self._pending = {record.shard: record for record in records}
+            self._order.update(zip(self._pending, range(self._seq + 1, self._seq + 1 + len(self._pending))))
+            self._seq += len(self._pending)
+            return
         for record in records:
             # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
             self._seq += 1
@@ -240,6 +265,69 @@ class RunIndex:
         self._frames[record.shard] = frame
         self._columns_of[record.shard] = shard_columns(frame, self._envs, self._families)
         return frame.height
+
+    def _add_merged(self, record: CommitRecord) -> int:
+        """Index a compacted shard together with the pending shards before it that lie in the same row groups of
+        the merged file (a compaction lists its members in file order, so they are the next pending ones): one
+        read of those row groups instead of one per shard, and the file's footer parsed once, not per shard."""
+        path = self.store.shard_path(self.run_id, record.file)
+        self.problems.pop(str(path), None)
+        batch = [record]
+        if self.store.file_size(path) is None:
+            self._pending.pop(record.shard)
+            self.problems[str(path)] = "missing"
+            return 0
+        try:
+            metadata, starts = self._merged_metadata(path, record.file)
+            if not starts:
+                raise OSError(f"{path} holds no row groups")
+            low = _row_group_of(starts, record.row_offset)
+            high = _row_group_of(starts, max(record.row_offset, record.row_offset + record.rows - 1))
+            first = starts[low]
+            names = reversed(self._pending)
+            next(names)
+            for name in names:
+                other = self._pending[name]
+                if other.file != record.file or other.row_offset < first or other.row_offset + other.rows != batch[-1].row_offset:
+                    break  # another file, an earlier row group, or not the rows just before
+                batch.append(other)
+            parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,
+                                     page_checksum_verification=True)
+            table = parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
+        except (OSError, pa.ArrowException) as error:
+            for member in batch:
+                self._pending.pop(member.shard, None)
+            self.problems[str(path)] = f"unreadable: {error}"
+            logger.error("shards of %s left out of the viewer: %s", path, error)
+            return 0
+        batch.reverse()  # file order
+        ids = np.repeat(np.arange(len(self.by_id), len(self.by_id) + len(batch), dtype=np.uint32),
+                        [member.rows for member in batch])
+        lead = batch[0].row_offset - first
+        frame = index_table(table.slice(lead, len(ids)), pl.Series(ids), batch[0].row_offset)
+        columns = split_columns(frame, [member.rows for member in batch], self._envs, self._families)
+        added = 0
+        for member, shard_cols in zip(batch, columns):
+            del self._pending[member.shard]
+            entry = ShardEntry(len(self.by_id), member, path, member.rows, starts)
+            piece = frame.slice(member.row_offset - batch[0].row_offset, member.rows)
+            self.by_id.append(entry)
+            self.shards[member.shard] = entry
+            self._frames[member.shard] = piece
+            self._columns_of[member.shard] = shard_cols
+            added += piece.height
+        return added
+
+    def _merged_metadata(self, path: Path, name: str) -> tuple[pq.FileMetaData, list[int]]:
+        """A compacted file's footer and row-group starts, read once while it is among the last few used."""
+        cached = self._merged.pop(name, None)
+        if cached is None:
+            metadata = pq.read_metadata(path, filesystem=self.store.filesystem)
+            cached = (metadata, row_group_starts(metadata))
+            while len(self._merged) >= 8:
+                self._merged.pop(next(iter(self._merged)))
+        self._merged[name] = cached
+        return cached
 
     def _refresh_stats(self) -> None:
         """Re-read the datagen stats files (per chunk and per producer) when the set of them changed."""
@@ -368,13 +456,11 @@ class RunIndex:
     def read_table(self, shard_id: int, rows: list[int], columns: list[str]) -> pa.Table:
         """Columns of the given rows of one shard, in the order given, reading only the row groups that hold them."""
         entry = self.by_id[shard_id]
-        parquet = pq.ParquetFile(entry.path, filesystem=self.store.filesystem, page_checksum_verification=True)
+        metadata = self._merged_metadata(entry.path, entry.record.file)[0] if entry.record.file else None
+        parquet = pq.ParquetFile(entry.path, filesystem=self.store.filesystem, metadata=metadata,
+                                 page_checksum_verification=True)
         if entry.row_group_starts is None:
-            starts, total = [], 0
-            for number in range(parquet.metadata.num_row_groups):
-                starts.append(total)
-                total += parquet.metadata.row_group(number).num_rows
-            entry.row_group_starts = starts
+            entry.row_group_starts = row_group_starts(parquet.metadata)
         starts = entry.row_group_starts
         groups_of_rows = [_row_group_of(starts, row) for row in rows]
         needed = sorted(set(groups_of_rows))

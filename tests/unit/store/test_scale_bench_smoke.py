@@ -26,6 +26,16 @@ def test_startup_ab_smoke(tmp_path, capsys, monkeypatch):
     assert "median start-up A" in capsys.readouterr().out
 
 
+def test_compact_ab_smoke(tmp_path, capsys, monkeypatch):
+    from bench.shards.compact_ab import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
+    main(["--smoke", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| A1 |" in out and "| B1 |" in out and "# B: median compaction" in out
+    assert not any(tmp_path.iterdir())  # each trial's store removed
+
+
 def test_compaction_compare_smoke(tmp_path, capsys):
     scale.main(["--compare", "--smoke", "--dir", str(tmp_path / "scratch")])
     out = capsys.readouterr().out

@@ -366,3 +366,15 @@ def test_a_running_service_reads_shards_compacted_under_it_from_the_merged_file(
 
     served = asyncio.run(scenario())
     assert served == [g.group_id for g in synthetic_groups(80, group_size=2, seq_len=8)]
+
+
+def test_members_are_removed_several_at_a_time_and_all_of_them(tmp_path, monkeypatch):
+    monkeypatch.setattr("factory.store_compact.UNLINK_THREADS", 2)  # 9 members after the first: on 2 threads
+    store = ShardStore(tmp_path)
+    fill(store, "r", 10)
+    before = ids(store, "r")
+    report = compact_run(store, "r", target_bytes=1 << 30, method="pages")
+    assert report.shards == 10 and len(report.files) == 1
+    assert sorted(p.name for p in (tmp_path / "r" / "shards").iterdir()) == report.files
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before and fresh.verify("r") == []

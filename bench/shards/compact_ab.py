@@ -1,0 +1,116 @@
+"""Compaction throughput and the viewer's first page before and after it, two code trees interleaved (issue 34):
+each trial builds a fresh store (this tree's bench.shards.scale.build_store), writes it to disk (`sync`: members
+of a real compaction are old files, and removing a file whose blocks are on disk costs far more than removing one
+still in the page cache), then, each step in its own process with PYTHONPATH set to the tree under test:
+the viewer's first page, the compaction (128 MB files), the viewer's first page again.
+
+    python -m bench.shards.compact_ab --shards 20000 --a /tmp/old-tree --b . --rounds 2
+    python -m bench.shards.compact_ab --smoke         # 300 shards, this tree against itself, 1 round
+
+Rounds alternate the order (A,B then B,A). Viewer: a new `RunIndex` refreshed with the viewer's 0.5 s budget
+and the first 50 rows read (as bench.shards.scale), plus the CPU seconds of reading the run's log (the part that
+does not depend on the budget) and how many groups were indexed within the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_VIEWER = """
+import json, sys, time
+begin = time.perf_counter()
+from factory.store import ShardStore
+from factory.viewer.index import RunIndex
+imported = time.perf_counter()
+cpu = time.process_time()
+index = RunIndex(ShardStore(sys.argv[1]), "gen")
+index._read_log()
+log_cpu = time.process_time() - cpu
+index.refresh(budget_s=0.5)
+frame = index.frame
+rows = index.read_rows(frame.head(50), ["group_id", "item_key"])
+print(json.dumps({"page_s": time.perf_counter() - imported, "log_cpu_s": log_cpu, "indexed": frame.height,
+                  "rows": len(rows)}))
+"""
+
+_COMPACT = """
+import json, os, sys
+from factory.store import ShardStore
+from factory.store_compact import compact_run
+before = os.times()
+report = compact_run(ShardStore(sys.argv[1]), "gen", target_bytes=128 << 20, flush=True)
+after = os.times()
+print(json.dumps({"mb_per_s": report.mb_per_s, "seconds": report.seconds, "files": len(report.files),
+                  "mb": report.bytes_in / 1e6, "cpu_s": after.user - before.user + after.system - before.system}))
+"""
+
+
+def _run(tree: str, script: str, root: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", script, str(root)], env=env, check=True, capture_output=True,
+                         text=True, cwd=tree).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def trial(tree: str, root: Path, shards: int) -> dict:
+    from bench.shards.scale import build_store
+
+    shutil.rmtree(root, ignore_errors=True)
+    build_store(root, shards)
+    os.sync()
+    load = os.getloadavg()[0]
+    before = _run(tree, _VIEWER, root)
+    compacted = _run(tree, _COMPACT, root)
+    after = _run(tree, _VIEWER, root)
+    shutil.rmtree(root, ignore_errors=True)
+    return {"load": load, "load_end": os.getloadavg()[0], "before": before, "compact": compacted, "after": after,
+            "at": time.strftime("%H:%M:%S", time.gmtime())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=int, default=20000)
+    parser.add_argument("--a", default=".", help="code tree A (e.g. `git archive` of the commit before)")
+    parser.add_argument("--b", default=".", help="code tree B")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="scratch directory (the store is removed after each trial)")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shards, args.rounds = 300, 1
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="compact-ab-"))
+    root = scratch / f"store-{args.shards}"
+    results: dict[str, list[dict]] = {"A": [], "B": []}
+    print("| trial | at (UTC) | load | compaction MB/s | compaction CPU s | viewer page s before / after | "
+          "log CPU s before / after | groups indexed in budget before / after |")
+    print("|---|---|---|---:|---:|---|---|---|")
+    for round_ in range(args.rounds):
+        order = (("A", args.a), ("B", args.b)) if round_ % 2 == 0 else (("B", args.b), ("A", args.a))
+        for label, tree in order:
+            r = trial(tree, root, args.shards)
+            results[label].append(r)
+            b, c, a = r["before"], r["compact"], r["after"]
+            print(f"| {label}{round_ + 1} | {r['at']} | {r['load']:.2f} -> {r['load_end']:.2f} | {c['mb_per_s']:.1f} | "
+                  f"{c['cpu_s']:.2f} | {b['page_s']:.2f} / {a['page_s']:.2f} | {b['log_cpu_s']:.3f} / {a['log_cpu_s']:.3f} | "
+                  f"{b['indexed']:,} / {a['indexed']:,} |", flush=True)
+    for label in ("A", "B"):
+        runs = results[label]
+        print(f"# {label}: median compaction {statistics.median(r['compact']['mb_per_s'] for r in runs):.1f} MB/s "
+              f"({runs[0]['compact']['mb']:.0f} MB, {args.shards} shards), viewer page after "
+              f"{statistics.median(r['after']['page_s'] for r in runs):.2f} s, log CPU after "
+              f"{statistics.median(r['after']['log_cpu_s'] for r in runs):.3f} s")
+    if not args.dir:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
