@@ -207,7 +207,7 @@ def json_response(
     data: Any = None,
     *,
     raw: bytes | None = None,
-    gz: bytes | None = None,
+    gz: bytes | memoryview | None = None,
     status: int = 200,
     gzip_level: int = 1,
     gzip_min_bytes: int = 1000,
