@@ -229,6 +229,7 @@ class BatchService:
             from factory.serve.follower import IndexCache, Locator
 
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
+        ranges = []
         for source, run_id, shard, rows in sources:
             path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
@@ -236,15 +237,20 @@ class BatchService:
             if offset:
                 self.row_offsets[source] = offset
             self._known.add((run_id, shard))
-            done = taken.get(source, set())
-            if len(done) >= rows:
+            done = taken.get(source)
+            if done is not None and len(done) >= rows:
                 continue
             try:
-                index = indexes.rows(path, offset, rows)
+                table = indexes.file(path, offset, rows)
             except OSError as error:
-                logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path, rows - len(done), error)
+                logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path,
+                             rows - len(done or ()), error)
                 continue
-            self._enqueue(source, index, skip=done)
+            if ranges and ranges[-1][0] is not table:  # queued file by file: the index columns are not all held at once
+                self._enqueue_ranges(ranges, taken)
+                ranges = []
+            ranges.append((table, offset, rows, source))
+        self._enqueue_ranges(ranges, taken)
         logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
 
     async def start(self) -> None:
@@ -318,14 +324,47 @@ class BatchService:
             logger.error("cannot index %d shards in the served state %s (%s); retrying at the next scan", len(new), self.state.path, error)
             return
         for shard, ids, source in zip(new, ids_of, sources):
-            self._stored_ids.difference_update(ids)
+            if ids:
+                self._stored_ids.difference_update(ids)
             self.sources[source] = shard.path
             self._source_ids[(shard.run_id, shard.shard)] = source
             if shard.row_offset:
                 self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
-            self._enqueue(source, shard.index)
+        self._enqueue_ranges([(shard.file_index, shard.row_offset, shard.rows, source) for shard, source in zip(new, sources)])
         self._kick_prefetch()
+
+    def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]], taken: dict[int, set[int]] | None = None) -> None:
+        """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
+        order given; `taken`: rows per source already served or skipped, left out. Consecutive sources that are
+        consecutive rows of one file (a compacted file's members) are queued with one slice of its index."""
+        if not ranges:
+            return
+        import numpy as np
+
+        start = 0
+        while start < len(ranges):
+            table, first, _, _ = ranges[start]
+            end, upto = start, first
+            while end < len(ranges) and ranges[end][0] is table and ranges[end][1] == upto:
+                upto += ranges[end][2]
+                end += 1
+            part = ranges[start:end]
+            counts = np.fromiter((rows for _, _, rows, _ in part), dtype=np.int64, count=len(part))
+            offsets = np.fromiter((offset - first for _, offset, _, _ in part), dtype=np.int64, count=len(part))
+            sources = np.repeat(np.fromiter((source for _, _, _, source in part), dtype=np.int64, count=len(part)), counts)
+            rows = np.arange(upto - first, dtype=np.int64) - np.repeat(offsets, counts)
+            keep = None
+            if taken:
+                done = [(int(offset), count, taken[source])
+                        for (_, _, count, source), offset in zip(part, offsets) if source in taken]
+                if done:
+                    keep = np.ones(upto - first, dtype=bool)
+                    for offset, count, skip in done:
+                        keep[[offset + row for row in skip if 0 <= row < count]] = False
+            index = table if first == 0 and upto == table.num_rows else table.slice(first, upto - first)
+            self._enqueue_rows(index, sources, rows, keep)
+            start = end
 
     def _relocate(self, moved: list[Moved]) -> None:
         """Read shards a compaction merged while the service runs from the merged file: same rows, same (shard,
@@ -338,14 +377,50 @@ class BatchService:
             logger.info("shard %s/%s is now read from %s (compacted)", shard.run_id, shard.shard, shard.path)
 
     def _enqueue(self, source: int, index: Any, skip: set[int] | frozenset[int] = frozenset()) -> None:
-        columns = index.to_pydict()
-        for row, (env, env_id, version, size) in enumerate(
-            zip(columns["env"], columns["env_id"], columns["policy_version"], columns["group_size"])
-        ):
-            if row in skip:
-                continue
-            lane = self.queue.lane(("id", env_id) if env_id is not None else ("name", env))
-            self.queue.add(source, row, size, lane, version)
+        import numpy as np
+
+        rows = np.arange(index.num_rows, dtype=np.int64)
+        keep = None
+        if skip:
+            keep = np.ones(index.num_rows, dtype=bool)
+            keep[[row for row in skip if 0 <= row < index.num_rows]] = False
+        self._enqueue_rows(index, np.full(index.num_rows, source, dtype=np.int64), rows, keep)
+
+    def _enqueue_rows(self, index: Any, sources: Any, rows: Any, keep: Any = None) -> None:
+        """Queue the groups of `index` (INDEX_COLUMNS, one row per group, in arrival order): group i is row
+        `rows[i]` of source `sources[i]`; `keep` (a mask), if given, leaves the others out (already taken). One
+        block per lane, not a Python object per group (see queue.py)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not index.num_rows:
+            return
+        lanes = np.full(index.num_rows, -1, dtype=np.int64)
+        env_ids = index.column("env_id")
+        with_id = None
+        if env_ids.null_count < len(env_ids):
+            values = pc.unique(env_ids).drop_null()
+            codes = pc.index_in(env_ids, value_set=values).fill_null(-1).to_numpy(zero_copy_only=False)
+            table = np.array([self.queue.lane(("id", value)) for value in values.to_pylist()] + [-1], dtype=np.int64)
+            lanes = table[codes]
+            with_id = codes >= 0
+        if with_id is None or not with_id.all():
+            names = index.column("env")
+            if with_id is not None:
+                names = names.filter(pa.array(~with_id))
+            encoded = pc.dictionary_encode(names).combine_chunks()
+            table = np.array([self.queue.lane(("name", name)) for name in encoded.dictionary.to_pylist()], dtype=np.int64)
+            by_name = table[encoded.indices.to_numpy(zero_copy_only=False)]
+            if with_id is None:
+                lanes = by_name
+            else:
+                lanes[~with_id] = by_name
+        sizes = index.column("group_size").to_numpy()
+        versions = index.column("policy_version").to_numpy()
+        if keep is not None:
+            sources, rows, sizes, lanes, versions = sources[keep], rows[keep], sizes[keep], lanes[keep], versions[keep]
+        self.queue.add_many(sources, rows, sizes, lanes, versions)
 
     def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
         if (record.run_id, record.shard) in self._known:  # the follower's scan saw the commit log first
