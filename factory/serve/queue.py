@@ -102,6 +102,9 @@ class GroupQueue:
         seqs = np.arange(self._next_seq, self._next_seq + count, dtype=np.int64)
         self._next_seq += count
         lanes = np.asarray(lanes)
+        # ~28 bytes a queued group (an Entry is ~100): 32-bit sources, rows and sizes, 64-bit arrival and version
+        sources, rows, sizes = (np.asarray(a, dtype=np.int32) for a in (sources, rows, sizes))
+        versions = np.asarray(versions, dtype=np.int64)
         for lane in np.unique(lanes).tolist():
             if lane == lanes[0] and lane == lanes[-1] and (lanes == lane).all():
                 pick: Any = slice(None)

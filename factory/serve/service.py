@@ -246,7 +246,7 @@ class BatchService:
                 logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path,
                              rows - len(done or ()), error)
                 continue
-            if ranges and ranges[-1][0] is not table:  # queued file by file: the index columns are not all held at once
+            if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
                 self._enqueue_ranges(ranges, taken)
                 ranges = []
             ranges.append((table, offset, rows, source))
@@ -336,35 +336,46 @@ class BatchService:
 
     def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]], taken: dict[int, set[int]] | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
-        order given; `taken`: rows per source already served or skipped, left out. Consecutive sources that are
-        consecutive rows of one file (a compacted file's members) are queued with one slice of its index."""
+        order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
+        array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
+        take one slice of its index, and the slices are concatenated (a shard's own file is its whole table)."""
         if not ranges:
             return
         import numpy as np
+        import pyarrow as pa
 
-        start = 0
-        while start < len(ranges):
-            table, first, _, _ = ranges[start]
-            end, upto = start, first
-            while end < len(ranges) and ranges[end][0] is table and ranges[end][1] == upto:
-                upto += ranges[end][2]
-                end += 1
-            part = ranges[start:end]
-            counts = np.fromiter((rows for _, _, rows, _ in part), dtype=np.int64, count=len(part))
-            offsets = np.fromiter((offset - first for _, offset, _, _ in part), dtype=np.int64, count=len(part))
-            sources = np.repeat(np.fromiter((source for _, _, _, source in part), dtype=np.int64, count=len(part)), counts)
-            rows = np.arange(upto - first, dtype=np.int64) - np.repeat(offsets, counts)
-            keep = None
-            if taken:
-                done = [(int(offset), count, taken[source])
-                        for (_, _, count, source), offset in zip(part, offsets) if source in taken]
-                if done:
-                    keep = np.ones(upto - first, dtype=bool)
-                    for offset, count, skip in done:
-                        keep[[offset + row for row in skip if 0 <= row < count]] = False
-            index = table if first == 0 and upto == table.num_rows else table.slice(first, upto - first)
-            self._enqueue_rows(index, sources, rows, keep)
-            start = end
+        counts = np.fromiter((rows for _, _, rows, _ in ranges), dtype=np.int64, count=len(ranges))
+        starts = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        sources = np.repeat(np.fromiter((source for _, _, _, source in ranges), dtype=np.int64, count=len(ranges)), counts)
+        rows = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        keep = None
+        if taken:
+            done = [(int(start), count, taken[source])
+                    for (_, _, count, source), start in zip(ranges, starts.tolist()) if source in taken]
+            if done:
+                keep = np.ones(total, dtype=bool)
+                for start, count, skip in done:
+                    keep[[start + row for row in skip if 0 <= row < count]] = False
+        slices = []
+        at = 0
+        while at < len(ranges):
+            table, first, _, _ = ranges[at]
+            upto = first
+            while at < len(ranges) and ranges[at][0] is table and ranges[at][1] == upto:
+                upto += ranges[at][2]
+                at += 1
+            slices.append(table if first == 0 and upto == table.num_rows else table.slice(first, upto - first))
+        try:
+            index = slices[0] if len(slices) == 1 else pa.concat_tables(slices, promote_options="permissive")
+        except pa.ArrowException:  # files whose index columns cannot be put in one table: each on its own
+            at = 0
+            for part in slices:
+                end = at + part.num_rows
+                self._enqueue_rows(part, sources[at:end], rows[at:end], None if keep is None else keep[at:end])
+                at = end
+            return
+        self._enqueue_rows(index, sources, rows, keep)
 
     def _relocate(self, moved: list[Moved]) -> None:
         """Read shards a compaction merged while the service runs from the merged file: same rows, same (shard,
