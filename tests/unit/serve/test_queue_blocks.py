@@ -150,3 +150,43 @@ def test_a_fresh_start_over_a_compacted_file_queues_blocks_not_entries(tmp_path)
     groups, items, in_blocks = asyncio.run(scenario())
     assert groups == in_blocks == 1200
     assert items == 1
+
+
+def test_int64s_reads_sliced_columns_with_nulls():
+    import pyarrow as pa
+
+    from factory.serve.service import _int64s
+
+    column = pa.chunked_array([pa.array([1, None, 3], pa.int64()), pa.array([None, 5, 6, 7], pa.int64())])
+    assert _int64s(column, null=-1).tolist() == [1, -1, 3, -1, 5, 6, 7]
+    assert _int64s(column.slice(2, 4), null=-9).tolist() == [3, -9, 5, 6]
+    assert _int64s(pa.array([None, 2], pa.int32()).slice(1), null=-1).tolist() == [2]
+    assert _int64s(pa.array([], pa.int64())).tolist() == []
+
+
+def test_a_start_up_over_shards_does_not_import_pandas(tmp_path):
+    """pyarrow's to_numpy/pa.scalar import pandas (~0.4 s); queueing a scan must not need them."""
+    import subprocess
+    import sys
+    import textwrap
+
+    store = ShardStore(tmp_path)
+    for chunk in range(6):
+        store.commit("gen", "w0", chunk, synthetic_groups(5, start=chunk * 5, group_size=2, seq_len=8))
+    compact_run(store, "gen", target_bytes=1 << 30)
+    store.commit("gen", "w0", 6, synthetic_groups(5, start=30, group_size=2, seq_len=8))
+    script = textwrap.dedent("""
+        import asyncio, sys
+        from factory.serve.config import ServeConfig
+        from factory.serve.service import BatchService
+
+        async def main():
+            service = BatchService(ServeConfig(store_root=sys.argv[1], follow_interval_s=3600, follow_runs=["gen"]))
+            await service.start()
+            print(service.queue.groups, "pandas" in sys.modules)
+            await service.stop()
+
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["35", "False"]
