@@ -319,6 +319,7 @@ class BatchService:
         self._relocate(moved)
         new: list[NewShard] = []
         ids_of: list[list[str]] = []
+        id_files: dict[Path | str, list[str]] = {}
         seen: set[tuple[str, str]] = set()
         for shard in shards:
             key = (shard.run_id, shard.shard)
@@ -328,9 +329,7 @@ class BatchService:
             ids: list[str] = []
             if shard.run_id == self.config.ingest_run:
                 # Committed while the state DB could not note it, or by a service that died before it could.
-                import pyarrow.parquet as pq
-
-                ids = pq.read_table(shard.path, columns=["group_id"], filesystem=self.store.filesystem).column(0).to_pylist()
+                ids = self._group_ids(shard, id_files)
                 self._stored_ids.update(ids)
             new.append(shard)
             ids_of.append(ids)
@@ -351,6 +350,19 @@ class BatchService:
             self._known.add((shard.run_id, shard.shard))
         self._enqueue_ranges([(shard.file_index, shard.row_offset, shard.rows, source) for shard, source in zip(new, sources)])
         self._kick_prefetch()
+
+    def _group_ids(self, shard: NewShard, files: dict[Path | str, list[str]]) -> list[str]:
+        """group_ids of a shard's rows; a merged file's column is read once for all its members (`files`)."""
+        import pyarrow.parquet as pq
+
+        ids = files.get(shard.path)
+        if ids is None:
+            with pq.ParquetFile(shard.path, filesystem=self.store.filesystem) as parquet:
+                ids = parquet.read(columns=["group_id"]).column(0).to_pylist()
+            if shard.row_offset or len(ids) != shard.rows:
+                files.clear()  # one merged file at a time: its members come one after the other
+                files[shard.path] = ids
+        return ids[shard.row_offset:shard.row_offset + shard.rows]
 
     def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]], taken: dict[int, set[int]] | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the

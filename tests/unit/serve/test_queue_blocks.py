@@ -190,3 +190,24 @@ def test_a_start_up_over_shards_does_not_import_pandas(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["35", "False"]
+
+
+def test_ingest_run_shards_found_in_a_merged_file_note_exactly_their_own_group_ids(tmp_path):
+    """Shards of run-api's own run that a fresh served state finds (compacted) note each member's group ids, read
+    once from the merged file: a client retrying those posts stores nothing again."""
+    store = ShardStore(tmp_path)
+    groups = list(synthetic_groups(24, group_size=2, seq_len=8))
+    for chunk in range(6):
+        store.commit("api", "w0", chunk, groups[chunk * 4:(chunk + 1) * 4])
+    compact_run(store, "api", target_bytes=1 << 30)
+
+    async def scenario() -> tuple[int, set[str]]:
+        service = BatchService(ServeConfig(store_root=str(tmp_path), follow_interval_s=3600))
+        await service.start()
+        stored = await service.ingest([g.model_copy() for g in groups[5:9]])
+        known = service.state.known_group_ids([g.group_id for g in groups])
+        await service.stop()
+        return stored, known
+
+    stored, known = asyncio.run(scenario())
+    assert stored == 0 and known == {g.group_id for g in groups}
