@@ -211,3 +211,19 @@ def test_ingest_run_shards_found_in_a_merged_file_note_exactly_their_own_group_i
 
     stored, known = asyncio.run(scenario())
     assert stored == 0 and known == {g.group_id for g in groups}
+
+
+def test_bulk_load_pauses_collection_and_restores_it_on_error():
+    import gc
+
+    from factory.serve.service import _bulk_load
+
+    assert gc.isenabled()
+    try:
+        with pytest.raises(RuntimeError), _bulk_load():
+            assert not gc.isenabled()
+            raise RuntimeError("a failed start-up")
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
