@@ -816,8 +816,9 @@ class ShardStore:
                 cached.torn = len(data) - end
                 if cached.torn:
                     logger.warning("%s:%d: ignoring a torn last line (crash during append)", log_path, cached.lines + 1)
-                if (cached.lines - cached.checkpoint_lines >= max(MANIFEST_EVERY_LINES, cached.checkpoint_lines // 4)
-                        or len(cached.changed) - cached.checkpoint_changes >= max(MANIFEST_EVERY_LINES, len(cached.records) // 4)):
+                grown = cached.lines - cached.checkpoint_lines >= max(MANIFEST_EVERY_LINES, cached.checkpoint_lines // 4)
+                moved = len(cached.changed) - cached.checkpoint_changes
+                if grown or moved >= max(MANIFEST_EVERY_LINES, len(cached.records) // 4):
                     # a few compaction lines that moved many shards count too: the next start-up loads the records
                     # as they stand instead of applying every member of those lines again
                     save_manifest(self.manifest_path(run_id), cached)

@@ -87,20 +87,26 @@ class BatchBody:
         return self.raw is not None or (compress and self.gz is not None)
 
 
+FREEZE_MIN_SOURCES = 10_000
+"""Indexed shards from which a start-up freezes what it built (see `_bulk_load`)."""
+
+
 @contextlib.contextmanager
-def _bulk_load() -> Any:
+def _bulk_load(sources: dict[int, Any]) -> Any:
     """No cyclic garbage collection while a start-up builds its state: it allocates an object or more per shard
     (commit records, dict and set entries) and none of them is garbage, yet the collector runs every 700
     allocations and walks everything that survived as the heap grows (4.4 s of a 13 s start-up at 300k shards).
-    After it, what survived is frozen (`gc.freeze`: left out of later collections, which would otherwise walk it
-    once more right away, 0.7 s at 300k, and at every full collection after; objects are still freed by their
-    reference counts). Process-wide: other threads' cyclic garbage is only found later."""
+    After a large one (FREEZE_MIN_SOURCES `sources` indexed), what survived is frozen (`gc.freeze`: left out of
+    later collections, which would otherwise walk it once more right away, 0.7 s at 300k, and at every full
+    collection after; objects are still freed by their reference counts, only cyclic garbage of that moment is
+    kept). Process-wide: other threads' cyclic garbage is only found later."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if len(sources) >= FREEZE_MIN_SOURCES:
+            gc.freeze()
         if enabled:
             gc.enable()
 
@@ -118,7 +124,8 @@ def _int64s(column: Any, null: int = 0) -> Any:
     start, count = array.offset, len(array)
     values = np.frombuffer(data, dtype=np.int64, count=start + count)[start:] if count else np.zeros(0, np.int64)
     if array.null_count:
-        valid = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")[start:start + count].astype(bool)
+        bits = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")
+        valid = bits[start:start + count].astype(bool)
         values = np.where(valid, values, null)
     return values
 
@@ -159,7 +166,7 @@ class BatchService:
         self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
-        with _bulk_load():
+        with _bulk_load(self.sources):
             self._load()
 
     # ---- lazily loaded parts (pyarrow) ----
@@ -295,7 +302,7 @@ class BatchService:
         limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)
         self._running = True
         if self._may_have_shards():
-            with _bulk_load():
+            with _bulk_load(self.sources):
                 self._add_shards(await asyncio.to_thread(self._scan))
             await self.ready_for_posts()
         self._follow_task = asyncio.create_task(self._follow(), name="store-follower")
@@ -369,7 +376,8 @@ class BatchService:
             if shard.row_offset:
                 self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
-        self._enqueue_ranges([(shard.file_index, shard.row_offset, shard.rows, source) for shard, source in zip(new, sources)])
+        self._enqueue_ranges(
+            [(shard.file_index, shard.row_offset, shard.rows, source) for shard, source in zip(new, sources)])
         self._kick_prefetch()
 
     def _group_ids(self, shard: NewShard, files: dict[Path | str, list[str]]) -> list[str]:
@@ -385,7 +393,8 @@ class BatchService:
                 files[shard.path] = ids
         return ids[shard.row_offset:shard.row_offset + shard.rows]
 
-    def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]], taken: dict[int, set[int]] | None = None) -> None:
+    def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]],
+                        taken: dict[int, set[int]] | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
         order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
         array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
@@ -398,7 +407,8 @@ class BatchService:
         counts = np.fromiter((rows for _, _, rows, _ in ranges), dtype=np.int64, count=len(ranges))
         starts = np.cumsum(counts) - counts
         total = int(counts.sum())
-        sources = np.repeat(np.fromiter((source for _, _, _, source in ranges), dtype=np.int64, count=len(ranges)), counts)
+        ids = np.fromiter((source for _, _, _, source in ranges), dtype=np.int64, count=len(ranges))
+        sources = np.repeat(ids, counts)
         rows = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         keep = None
         if taken:
@@ -438,22 +448,11 @@ class BatchService:
             self._moved[source] = (shard.path, shard.row_offset)
             logger.info("shard %s/%s is now read from %s (compacted)", shard.run_id, shard.shard, shard.path)
 
-    def _enqueue(self, source: int, index: Any, skip: set[int] | frozenset[int] = frozenset()) -> None:
-        import numpy as np
-
-        rows = np.arange(index.num_rows, dtype=np.int64)
-        keep = None
-        if skip:
-            keep = np.ones(index.num_rows, dtype=bool)
-            keep[[row for row in skip if 0 <= row < index.num_rows]] = False
-        self._enqueue_rows(index, np.full(index.num_rows, source, dtype=np.int64), rows, keep)
-
     def _enqueue_rows(self, index: Any, sources: Any, rows: Any, keep: Any = None) -> None:
         """Queue the groups of `index` (INDEX_COLUMNS, one row per group, in arrival order): group i is row
         `rows[i]` of source `sources[i]`; `keep` (a mask), if given, leaves the others out (already taken). One
         block per lane, not a Python object per group (see queue.py)."""
         import numpy as np
-        import pyarrow as pa
         import pyarrow.compute as pc
 
         if not index.num_rows:
@@ -468,7 +467,8 @@ class BatchService:
             with_id = codes >= 0
         if with_id is None or not with_id.all():
             encoded = pc.dictionary_encode(index.column("env")).combine_chunks()
-            table = np.array([self.queue.lane(("name", name)) for name in encoded.dictionary.to_pylist()], dtype=np.int64)
+            names = encoded.dictionary.to_pylist()
+            table = np.array([self.queue.lane(("name", name)) for name in names], dtype=np.int64)
             by_name = table[_int64s(encoded.indices)]
             if with_id is None:
                 lanes = by_name

@@ -213,17 +213,22 @@ def test_ingest_run_shards_found_in_a_merged_file_note_exactly_their_own_group_i
     assert stored == 0 and known == {g.group_id for g in groups}
 
 
-def test_bulk_load_pauses_collection_and_restores_it_on_error():
+def test_bulk_load_pauses_collection_and_restores_it_on_error(monkeypatch):
     import gc
 
-    from factory.serve.service import _bulk_load
+    from factory.serve import service as service_module
 
     assert gc.isenabled()
+    frozen = gc.get_freeze_count()
     try:
-        with pytest.raises(RuntimeError), _bulk_load():
+        with pytest.raises(RuntimeError), service_module._bulk_load({1: "a"}):
             assert not gc.isenabled()
             raise RuntimeError("a failed start-up")
-        assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert gc.isenabled() and gc.get_freeze_count() == frozen  # a small start-up freezes nothing
+        monkeypatch.setattr(service_module, "FREEZE_MIN_SOURCES", 1)
+        with service_module._bulk_load({1: "a"}):
+            pass
+        assert gc.isenabled() and gc.get_freeze_count() > frozen
     finally:
         gc.unfreeze()
         gc.enable()
