@@ -3,9 +3,12 @@ one-transaction-per-scan change measured as a ratio on a noisy machine.
 
     python -m bench.shards.startup_ab --shards 3000 --a /tmp/old-tree --b . --rounds 3
     python -m bench.shards.startup_ab --smoke          # 200 shards, this tree against itself, 1 round
+    python -m bench.shards.startup_ab --shards 100000 --a /tmp/old-tree --b . --rounds 2 --restart
 
 The store is built and compacted once with this tree's bench.shards.scale; every start-up runs in a fresh
 process with PYTHONPATH set to the tree under test and an empty served state (every shard gets indexed).
+`--restart` also measures, after each fresh start-up, a restart from a served state in which every shard is
+indexed and 2,000 groups are taken (made once by tree B, copied for each start-up).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compact", action="store_true")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--restart", action="store_true", help="also time restarts from an indexed served state")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards, args.rounds = 200, 1
@@ -66,18 +72,39 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# built {args.shards} shards in {built['seconds']:.0f} s", flush=True)
         if not args.no_compact:
             print(f"# compacted: {compact(str(root), 128)}", flush=True)
-    times: dict[str, list[float]] = {"A": [], "B": []}
+    def remove(state: Path) -> None:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{state}{suffix}").unlink(missing_ok=True)
+
+    indexed = scratch / "state-indexed.db"
+    if args.restart:
+        remove(indexed)
+        startup(args.b, root, indexed)
+        db = sqlite3.connect(indexed)
+        with db:  # 2,000 groups taken, as a served life leaves them (one in 7 shards' rows)
+            db.executemany("INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, 0)",
+                           [(1 + i // 10 * 7, i % 10, i // 256, i % 256) for i in range(2000)])
+        db.close()
+    times: dict[str, list[float]] = {"A": [], "B": [], "A restart": [], "B restart": []}
     for round_ in range(args.rounds):
         for label, tree in (("A", args.a), ("B", args.b)):
             state = scratch / f"state-{label}-{round_}.db"
             result = startup(tree, root, state)
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{state}{suffix}").unlink(missing_ok=True)
+            remove(state)
             times[label].append(result["startup_s"])
-            print(f"round {round_} {label}: start-up {result['startup_s']:.2f} s, {result['queued']} groups queued", flush=True)
-    a, b = statistics.median(times["A"]), statistics.median(times["B"])
-    print(f"median start-up A {a:.2f} s, B {b:.2f} s, A/B {a / b:.2f}x; pairs A/B: "
-          + ", ".join(f"{x / y:.2f}" for x, y in zip(times["A"], times["B"])))
+            line = f"round {round_} {label}: start-up {result['startup_s']:.2f} s, {result['queued']} groups queued"
+            if args.restart:
+                shutil.copy(indexed, state)
+                again = startup(tree, root, state)
+                remove(state)
+                times[f"{label} restart"].append(again["startup_s"])
+                line += f"; restart {again['startup_s']:.2f} s, {again['queued']} queued"
+            print(f"{line}; load {os.getloadavg()[0]:.2f}", flush=True)
+    remove(indexed)
+    for kind in ("", " restart") if args.restart else ("",):
+        a, b = statistics.median(times["A" + kind]), statistics.median(times["B" + kind])
+        print(f"median{kind or ' start-up'} A {a:.2f} s, B {b:.2f} s, A/B {a / b:.2f}x; pairs A/B: "
+              + ", ".join(f"{x / y:.2f}" for x, y in zip(times["A" + kind], times["B" + kind])))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,17 @@ class NewShard:
     path: Path | str
     """Local path, or the object's path on the store's `filesystem`."""
     rows: int
-    index: pa.Table
-    """INDEX_COLUMNS of every row."""
+    file_index: pa.Table
+    """INDEX_COLUMNS of every row of `path` (the shards of one compacted file share one table: not a slice each)."""
     row_offset: int = 0
     """Where the shard's rows start in `path` (a compacted file holds many shards)."""
+
+    @property
+    def index(self) -> pa.Table:
+        """INDEX_COLUMNS of the shard's own rows."""
+        if self.row_offset == 0 and self.file_index.num_rows == self.rows:
+            return self.file_index
+        return self.file_index.slice(self.row_offset, self.rows)
 
 
 @dataclass
@@ -48,7 +55,9 @@ class Moved:
 
 
 def read_index(path: Path | str, filesystem: pa.fs.FileSystem | None = None) -> pa.Table:
-    return pq.read_table(path, columns=INDEX_COLUMNS, filesystem=filesystem)
+    # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset and pandas (~0.5 s of a start-up).
+    with pq.ParquetFile(path, filesystem=filesystem) as parquet:
+        return parquet.read(columns=INDEX_COLUMNS)
 
 
 class Locator:
@@ -89,21 +98,26 @@ class IndexCache:
         return table if table is not None else read_index(path, self.filesystem)
 
     def rows(self, path: Path | str, offset: int, rows: int) -> pa.Table:
-        if offset == 0 and path not in self._tables:
+        table = self.file(path, offset, rows)
+        if offset == 0 and table.num_rows == rows:
+            return table
+        return table.slice(offset, rows)
+
+    def file(self, path: Path | str, offset: int, rows: int) -> pa.Table:
+        """Index columns of the whole file `path`, checked to hold rows `offset..offset + rows` (read once while
+        it is among the last `files` read; a shard's own file is not kept)."""
+        table = self._tables.get(path)
+        if table is None:
             table = self._read(path)
-            if table.num_rows == rows:
-                return table
+            if offset or table.num_rows != rows:  # a compacted file: its other shards come next
+                self._tables[path] = table
+                while len(self._tables) > self.files:
+                    self._tables.popitem(last=False)
         else:
-            table = self._tables.get(path)
-            if table is None:
-                table = self._read(path)
-        self._tables[path] = table
-        self._tables.move_to_end(path)
-        while len(self._tables) > self.files:
-            self._tables.popitem(last=False)
+            self._tables.move_to_end(path)
         if offset + rows > table.num_rows:
             raise OSError(f"{path} holds {table.num_rows} rows, the commit log puts rows {offset}..{offset + rows} in it")
-        return table.slice(offset, rows)
+        return table
 
 
 _cursors: weakref.WeakKeyDictionary[StoreReader, dict[str, tuple[Any, set[str]]]] = weakref.WeakKeyDictionary()
@@ -134,6 +148,7 @@ def scan_new_shards(
     found = []
     indexes = IndexCache(filesystem=store.filesystem)
     sizes: dict[Path | str, int | None] = {}
+    paths: dict[str, Path | str] = {}
 
     def size_of(path: Path | str) -> int | None:
         """One look per file and scan (a stat, or a HEAD request on an object store; a merged file holds many)."""
@@ -141,8 +156,16 @@ def scan_new_shards(
             sizes[path] = store.file_size(path)
         return sizes[path]
 
+    def path_of(run_id: str, name: str) -> Path | str:
+        """One path object per file and scan (the members of a compacted file share it, and its hash)."""
+        path = paths.get(name)
+        if path is None:
+            path = paths[name] = store.shard_path(run_id, name)
+        return path
+
     cursors = _cursors.setdefault(store, {})
     for run_id in runs:
+        paths.clear()
         cursor, retry = cursors.get(run_id, (None, set()))
         cursor, changed = store.changes(run_id, cursor)
         pending = [record for shard in retry if (record := store.record(run_id, shard)) is not None]
@@ -157,13 +180,13 @@ def scan_new_shards(
             name = record.shard
             if (run_id, name) in known:
                 if moved is not None and record.file:
-                    path = store.shard_path(run_id, record.physical)
+                    path = path_of(run_id, record.file)
                     if size_of(path) is None:
                         again.add(name)  # logged, not yet in place: look again next scan
                     else:
                         moved.append(Moved(run_id, name, path, record.row_offset))
                 continue
-            path = store.shard_path(run_id, record.physical)
+            path = path_of(run_id, record.physical)
             if not finished and size_of(path) is None:
                 # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
                 # crash (finish it). Skipping it would let a retried post be stored a second time.
@@ -173,7 +196,7 @@ def scan_new_shards(
                 except (OSError, StoreError) as error:
                     logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
                 record = store.record(run_id, name) or record
-                path = store.shard_path(run_id, record.physical)
+                path = path_of(run_id, record.physical)
                 sizes.clear()
             try:
                 if not record.file:
@@ -182,14 +205,14 @@ def scan_new_shards(
                         raise FileNotFoundError(f"{path} does not exist")
                     if size != record.bytes:
                         raise OSError(f"size is {size} bytes, commit log says {record.bytes}")
-                index = indexes.rows(path, record.row_offset, record.rows)
+                index = indexes.file(path, record.row_offset, record.rows)
             except (OSError, pa.ArrowException) as error:
                 again.add(name)
                 if str(path) not in reported:
                     reported.add(str(path))
                     logger.error("shard %s left out of serving: %s", path, error)
                 continue
-            found.append(NewShard(run_id, name, path, index.num_rows, index, record.row_offset))
+            found.append(NewShard(run_id, name, path, record.rows, index, record.row_offset))
             again.add(name)
         cursors[run_id] = (cursor, again)
     return found

@@ -1,7 +1,10 @@
-"""The compact in-memory queue: one `Entry` per queued group, per-lane deques in arrival order.
+"""The compact in-memory queue: per-lane deques in arrival order, of `Entry`s and of `Block`s of many groups.
 
-Payloads never live here (they stay in their shards), so memory grows by a
-couple of hundred bytes per queued group, not by the group's tokens.
+Payloads never live here (they stay in their shards). A group that arrives alone (a post, a small commit) is
+one `Entry`; the groups of a whole scan or a compacted file arrive as one `Block` per lane (numpy arrays of
+their keys and sizes, ~30 bytes a group) and become `Entry`s only when a batch is formed from them, a chunk at
+a time from the end the batch is taken from: a start-up over millions of groups costs a few array operations,
+not a Python object per group.
 Entries taken for a batch that is being prepared are RESERVED (kept in place,
 so releasing them restores their position); served or skipped ones become
 GONE and are dropped from the front of their deque lazily.
@@ -11,15 +14,53 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Hashable, Iterator
+from typing import Any
 
 from factory.serve.packer import GONE, QUEUED, RESERVED, Entry
+
+CHUNK = 1024
+"""Groups of a block made into `Entry`s at a time (a batch of 256 sequences needs a few hundred at most)."""
+
+
+class Block:
+    """Queued groups of one lane not yet made into `Entry`s: rows `lo..hi` of parallel arrays, in arrival order."""
+
+    state = QUEUED
+    """A block is never at the front as GONE: `remove` stops at it."""
+
+    def __init__(self, seqs: Any, sources: Any, rows: Any, sizes: Any, versions: Any, lane: int) -> None:
+        self.seqs, self.sources, self.rows, self.sizes, self.versions = seqs, sources, rows, sizes, versions
+        self.lane = lane
+        self.lo, self.hi = 0, len(seqs)
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def entries(self, lo: int, hi: int) -> list[Entry]:
+        lane = self.lane
+        return [
+            Entry(seq, source, row, size, lane, version)
+            for seq, source, row, size, version in zip(
+                self.seqs[lo:hi].tolist(), self.sources[lo:hi].tolist(), self.rows[lo:hi].tolist(),
+                self.sizes[lo:hi].tolist(), self.versions[lo:hi].tolist())
+        ]
+
+    def take_front(self, count: int) -> list[Entry]:
+        lo = self.lo
+        self.lo = min(self.hi, lo + count)
+        return self.entries(lo, self.lo)
+
+    def take_back(self, count: int) -> list[Entry]:
+        hi = self.hi
+        self.hi = max(self.lo, hi - count)
+        return self.entries(self.hi, hi)
 
 
 class GroupQueue:
     """Queued groups by lane with running counts for /status and /status-env."""
 
     def __init__(self) -> None:
-        self._lanes: dict[int, deque[Entry]] = {}
+        self._lanes: dict[int, deque[Entry | Block]] = {}
         self._lane_keys: dict[Hashable, int] = {}
         self.lane_key_of: list[Hashable] = []
         self.lane_sequences: Counter[int] = Counter()
@@ -49,6 +90,62 @@ class GroupQueue:
         self.groups += 1
         self.last = entry
         return entry
+
+    def add_many(self, sources: Any, rows: Any, sizes: Any, lanes: Any, versions: Any) -> int:
+        """Queue many groups at once, in the order given (numpy arrays of one length; `lanes` from `lane`): one
+        `Block` per lane, made into `Entry`s only when a batch is formed from it. Returns how many."""
+        import numpy as np
+
+        count = len(sources)
+        if not count:
+            return 0
+        seqs = np.arange(self._next_seq, self._next_seq + count, dtype=np.int64)
+        self._next_seq += count
+        lanes = np.asarray(lanes)
+        # ~28 bytes a queued group (an Entry is ~100): 32-bit sources, rows and sizes, 64-bit arrival and version
+        sources, rows, sizes = (np.asarray(a, dtype=np.int32) for a in (sources, rows, sizes))
+        versions = np.asarray(versions, dtype=np.int64)
+        for lane in np.unique(lanes).tolist():
+            if lane == lanes[0] and lane == lanes[-1] and (lanes == lane).all():
+                pick: Any = slice(None)
+            else:
+                pick = np.flatnonzero(lanes == lane)
+            block = Block(seqs[pick], sources[pick], rows[pick], sizes[pick], versions[pick], lane)
+            self._lanes[lane].append(block)
+            self.lane_sequences[lane] += int(block.sizes.sum())
+            self.lane_groups[lane] += len(block)
+        values, counts = np.unique(sizes, return_counts=True)
+        for size, n in zip(values.tolist(), counts.tolist()):
+            self._sizes[size] += n
+        self.groups += count
+        last = count - 1
+        self.last = Entry(int(seqs[last]), int(sources[last]), int(rows[last]), int(sizes[last]), int(lanes[last]),
+                          int(versions[last]))
+        return count
+
+    @staticmethod
+    def _open(lane: deque[Entry | Block], at: int, from_back: bool) -> None:
+        """Make the next CHUNK groups of the block at index `at` into entries, in place (the block keeps the
+        rest): its first ones, or (`from_back`) its last ones."""
+        block = lane[at]
+        assert isinstance(block, Block)
+        if not from_back:
+            lane.rotate(-at)
+            lane.popleft()
+            entries = block.take_front(CHUNK)
+            if len(block):
+                lane.appendleft(block)
+            lane.extendleft(reversed(entries))
+            lane.rotate(at)
+        else:
+            after = len(lane) - 1 - at
+            lane.rotate(after)
+            lane.pop()
+            entries = block.take_back(CHUNK)
+            if len(block):
+                lane.append(block)
+            lane.extend(entries)
+            lane.rotate(-after)
 
     def reserve(self, entries: list[Entry]) -> None:
         for entry in entries:
@@ -81,12 +178,20 @@ class GroupQueue:
         """QUEUED entries from the front of a lane (its back, newest first, with `newest_first`) until `sequences`
         are covered."""
         covered = 0
-        for entry in reversed(self._lanes[lane]) if newest_first else self._lanes[lane]:
+        items = self._lanes[lane]
+        at = 0
+        while at < len(items):
             if covered >= sequences:
                 return
+            index = len(items) - 1 - at if newest_first else at
+            entry = items[index]
+            if type(entry) is Block:
+                self._open(items, index, newest_first)
+                continue  # the same position now holds the chunk's first entry (its last, newest first)
             if entry.state == QUEUED:
                 covered += entry.size
                 yield entry
+            at += 1
 
     def lanes(self) -> list[int]:
         return [lane for lane, count in self.lane_groups.items() if count > 0]
@@ -96,6 +201,11 @@ class GroupQueue:
 
     def clear(self) -> list[Entry]:
         """Every QUEUED or RESERVED entry, removed (for /reset_data)."""
+        for number, lane in self._lanes.items():
+            if any(type(item) is Block for item in lane):
+                self._lanes[number] = deque(
+                    entry for item in lane
+                    for entry in (item.take_front(len(item)) if type(item) is Block else (item,)))
         dropped = [entry for lane in self._lanes.values() for entry in lane if entry.state != GONE]
         self.remove(dropped)
         return dropped

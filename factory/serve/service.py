@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -87,6 +88,49 @@ class BatchBody:
         return self.raw is not None or (compress and self.gz is not None)
 
 
+FREEZE_MIN_SOURCES = 10_000
+"""Indexed shards from which a start-up freezes what it built (see `_bulk_load`)."""
+
+
+@contextlib.contextmanager
+def _bulk_load(sources: dict[int, Any]) -> Any:
+    """No cyclic garbage collection while a start-up builds its state: it allocates an object or more per shard
+    (commit records, dict and set entries) and none of them is garbage, yet the collector runs every 700
+    allocations and walks everything that survived as the heap grows (4.4 s of a 13 s start-up at 300k shards).
+    After a large one (FREEZE_MIN_SOURCES `sources` indexed), what survived is frozen (`gc.freeze`: left out of
+    later collections, which would otherwise walk it once more right away, 0.7 s at 300k, and at every full
+    collection after; objects are still freed by their reference counts, only cyclic garbage of that moment is
+    kept). Process-wide: other threads' cyclic garbage is only found later."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if len(sources) >= FREEZE_MIN_SOURCES:
+            gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+def _int64s(column: Any, null: int = 0) -> Any:
+    """A pyarrow integer column as a numpy int64 array (nulls as `null`), read from its buffers: pyarrow's own
+    to_numpy (and pa.scalar, pa.array) import pandas, ~0.4 s of a start-up that otherwise never needs it."""
+    import numpy as np
+    import pyarrow as pa
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.type != pa.int64():
+        array = array.cast(pa.int64())
+    validity, data = array.buffers()[:2]
+    start, count = array.offset, len(array)
+    values = np.frombuffer(data, dtype=np.int64, count=start + count)[start:] if count else np.zeros(0, np.int64)
+    if array.null_count:
+        bits = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")
+        valid = bits[start:start + count].astype(bool)
+        values = np.where(valid, values, null)
+    return values
+
+
 class BatchService:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -123,7 +167,8 @@ class BatchService:
         self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
-        self._load()
+        with _bulk_load(self.sources):
+            self._load()
 
     # ---- lazily loaded parts (pyarrow) ----
     @property
@@ -230,6 +275,7 @@ class BatchService:
             from factory.serve.follower import IndexCache, Locator
 
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
+        ranges = []
         for source, run_id, shard, rows in sources:
             path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
@@ -237,22 +283,28 @@ class BatchService:
             if offset:
                 self.row_offsets[source] = offset
             self._known.add((run_id, shard))
-            done = taken.get(source, set())
-            if len(done) >= rows:
+            done = taken.get(source)
+            if done is not None and len(done) >= rows:
                 continue
             try:
-                index = indexes.rows(path, offset, rows)
+                table = indexes.file(path, offset, rows)
             except OSError as error:
-                logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path, rows - len(done), error)
+                logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path,
+                             rows - len(done or ()), error)
                 continue
-            self._enqueue(source, index, skip=done)
+            if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
+                self._enqueue_ranges(ranges, taken)
+                ranges = []
+            ranges.append((table, offset, rows, source))
+        self._enqueue_ranges(ranges, taken)
         logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
 
     async def start(self) -> None:
         limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)
         self._running = True
         if self._may_have_shards():
-            self._add_shards(await asyncio.to_thread(self._scan))
+            with _bulk_load(self.sources):
+                self._add_shards(await asyncio.to_thread(self._scan))
             await self.ready_for_posts()
         self._follow_task = asyncio.create_task(self._follow(), name="store-follower")
 
@@ -296,6 +348,7 @@ class BatchService:
         self._relocate(moved)
         new: list[NewShard] = []
         ids_of: list[list[str]] = []
+        id_files: dict[Path | str, list[str]] = {}
         seen: set[tuple[str, str]] = set()
         for shard in shards:
             key = (shard.run_id, shard.shard)
@@ -305,9 +358,7 @@ class BatchService:
             ids: list[str] = []
             if shard.run_id == self.config.ingest_run:
                 # Committed while the state DB could not note it, or by a service that died before it could.
-                import pyarrow.parquet as pq
-
-                ids = pq.read_table(shard.path, columns=["group_id"], filesystem=self.store.filesystem).column(0).to_pylist()
+                ids = self._group_ids(shard, id_files)
                 self._stored_ids.update(ids)
             new.append(shard)
             ids_of.append(ids)
@@ -319,14 +370,74 @@ class BatchService:
             logger.error("cannot index %d shards in the served state %s (%s); retrying at the next scan", len(new), self.state.path, error)
             return
         for shard, ids, source in zip(new, ids_of, sources):
-            self._stored_ids.difference_update(ids)
+            if ids:
+                self._stored_ids.difference_update(ids)
             self.sources[source] = shard.path
             self._source_ids[(shard.run_id, shard.shard)] = source
             if shard.row_offset:
                 self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
-            self._enqueue(source, shard.index)
+        self._enqueue_ranges(
+            [(shard.file_index, shard.row_offset, shard.rows, source) for shard, source in zip(new, sources)])
         self._kick_prefetch()
+
+    def _group_ids(self, shard: NewShard, files: dict[Path | str, list[str]]) -> list[str]:
+        """group_ids of a shard's rows; a merged file's column is read once for all its members (`files`)."""
+        import pyarrow.parquet as pq
+
+        ids = files.get(shard.path)
+        if ids is None:
+            with pq.ParquetFile(shard.path, filesystem=self.store.filesystem) as parquet:
+                ids = parquet.read(columns=["group_id"]).column(0).to_pylist()
+            if shard.row_offset or len(ids) != shard.rows:
+                files.clear()  # one merged file at a time: its members come one after the other
+                files[shard.path] = ids
+        return ids[shard.row_offset:shard.row_offset + shard.rows]
+
+    def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]],
+                        taken: dict[int, set[int]] | None = None) -> None:
+        """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
+        order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
+        array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
+        take one slice of its index, and the slices are concatenated (a shard's own file is its whole table)."""
+        if not ranges:
+            return
+        import numpy as np
+        import pyarrow as pa
+
+        counts = np.fromiter((rows for _, _, rows, _ in ranges), dtype=np.int64, count=len(ranges))
+        starts = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        ids = np.fromiter((source for _, _, _, source in ranges), dtype=np.int64, count=len(ranges))
+        sources = np.repeat(ids, counts)
+        rows = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        keep = None
+        if taken:
+            done = [(int(start), count, taken[source])
+                    for (_, _, count, source), start in zip(ranges, starts.tolist()) if source in taken]
+            if done:
+                keep = np.ones(total, dtype=bool)
+                for start, count, skip in done:
+                    keep[[start + row for row in skip if 0 <= row < count]] = False
+        slices = []
+        at = 0
+        while at < len(ranges):
+            table, first, _, _ = ranges[at]
+            upto = first
+            while at < len(ranges) and ranges[at][0] is table and ranges[at][1] == upto:
+                upto += ranges[at][2]
+                at += 1
+            slices.append(table if first == 0 and upto == table.num_rows else table.slice(first, upto - first))
+        try:
+            index = slices[0] if len(slices) == 1 else pa.concat_tables(slices, promote_options="permissive")
+        except pa.ArrowException:  # files whose index columns cannot be put in one table: each on its own
+            at = 0
+            for part in slices:
+                end = at + part.num_rows
+                self._enqueue_rows(part, sources[at:end], rows[at:end], None if keep is None else keep[at:end])
+                at = end
+            return
+        self._enqueue_rows(index, sources, rows, keep)
 
     def _relocate(self, moved: list[Moved]) -> None:
         """Read shards a compaction merged while the service runs from the merged file: same rows, same (shard,
@@ -338,15 +449,37 @@ class BatchService:
             self._moved[source] = (shard.path, shard.row_offset)
             logger.info("shard %s/%s is now read from %s (compacted)", shard.run_id, shard.shard, shard.path)
 
-    def _enqueue(self, source: int, index: Any, skip: set[int] | frozenset[int] = frozenset()) -> None:
-        columns = index.to_pydict()
-        for row, (env, env_id, version, size) in enumerate(
-            zip(columns["env"], columns["env_id"], columns["policy_version"], columns["group_size"])
-        ):
-            if row in skip:
-                continue
-            lane = self.queue.lane(("id", env_id) if env_id is not None else ("name", env))
-            self.queue.add(source, row, size, lane, version)
+    def _enqueue_rows(self, index: Any, sources: Any, rows: Any, keep: Any = None) -> None:
+        """Queue the groups of `index` (INDEX_COLUMNS, one row per group, in arrival order): group i is row
+        `rows[i]` of source `sources[i]`; `keep` (a mask), if given, leaves the others out (already taken). One
+        block per lane, not a Python object per group (see queue.py)."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        if not index.num_rows:
+            return
+        env_ids = index.column("env_id")
+        with_id = None
+        if env_ids.null_count < len(env_ids):
+            values = pc.unique(env_ids).drop_null()
+            codes = _int64s(pc.index_in(env_ids, value_set=values), null=-1)
+            table = np.array([self.queue.lane(("id", value)) for value in values.to_pylist()] + [-1], dtype=np.int64)
+            lanes = table[codes]
+            with_id = codes >= 0
+        if with_id is None or not with_id.all():
+            encoded = pc.dictionary_encode(index.column("env")).combine_chunks()
+            names = encoded.dictionary.to_pylist()
+            table = np.array([self.queue.lane(("name", name)) for name in names], dtype=np.int64)
+            by_name = table[_int64s(encoded.indices)]
+            if with_id is None:
+                lanes = by_name
+            else:
+                lanes[~with_id] = by_name[~with_id]
+        sizes = _int64s(index.column("group_size"))
+        versions = _int64s(index.column("policy_version"))
+        if keep is not None:
+            sources, rows, sizes, lanes, versions = sources[keep], rows[keep], sizes[keep], lanes[keep], versions[keep]
+        self.queue.add_many(sources, rows, sizes, lanes, versions)
 
     def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
         if (record.run_id, record.shard) in self._known:  # the follower's scan saw the commit log first

@@ -30,3 +30,14 @@ def test_a_failed_batch_indexes_nothing(tmp_path):
     assert state.known_group_ids(["g1"]) == set()
     assert state.add_sources([("run", "a", 10, ["g1"])]) == [1]
     state.close()
+
+
+def test_add_sources_ids_when_some_were_indexed_before_and_after_other_runs(tmp_path):
+    """The one-query path (every shard new: ids after the last one) and the per-shard path (some indexed before)
+    give the ids a per-shard lookup gives."""
+    state = ServedState(tmp_path / "s.db")
+    assert state.add_sources([("r1", f"s{i}", 1, []) for i in range(3)]) == [1, 2, 3]
+    assert state.add_sources([("r2", "s0", 1, []), ("r2", "s1", 1, [])]) == [4, 5]
+    assert state.add_sources([("r1", "s9", 1, []), ("r1", "s1", 1, []), ("r2", "s2", 1, [])]) == [6, 2, 7]
+    lookup = {(run, shard): source for source, run, shard, _ in state.sources()}
+    assert lookup[("r1", "s9")] == 6 and lookup[("r2", "s2")] == 7
