@@ -10,8 +10,8 @@ the run files stay in a local directory, `datagen.run_files_dir` (default `./run
 - they are written often (a stats file per chunk, before its commit) and read by the run itself only: a resume
   restores the item count and the curriculum from them, so resume a run with the same `run_files_dir` (a shared
   path when workers of one run sit on several machines). Without them a resume still commits each chunk once
-  (the store's records say which chunks are done) but counts items by chunk length and restarts the curriculum
-  from the records alone.
+  (the store's records say which chunks are done) but counts items by chunk length, restarts the curriculum at
+  its start level, and its summary's totals (rollouts, scores, drops) leave out the earlier sessions' chunks.
 - the owner lock is a local file lock: it keeps two processes of one producer on one machine apart, not two
   machines. The object store's rule is one live writer per (run, producer) (factory/store_object.py).
 - view-run shows the run's shards from the store; its datagen stats only where it is given the local files.
