@@ -78,3 +78,22 @@ def test_clean_start_sampler_and_summary_read_the_records_of_the_store(bucket, t
 
     summary = summarize(store, Cfg, 1.0, Counter(), [])
     assert summary["chunks_committed"] == 1 and summary["store"] == f"{root}/run"
+
+
+def test_preflight_checks_the_local_run_files_dir_of_an_s3_store(bucket, tmp_path):
+    import pytest
+
+    from factory.preflight import PreflightError, preflight
+    from flows.datagen import build_job_config
+    from flows.datagen_cli import output_dir
+
+    _, name = bucket
+    (tmp_path / "file").write_text("")
+
+    def job(run_files_dir):
+        values = {"datagen": {"store_root": f"s3://{name}/s", "run_files_dir": run_files_dir, "run_id": "r"}}
+        return build_job_config("environments.intern_bootcamp:InternBootcampEnv", values=values)
+
+    with pytest.raises(PreflightError, match=r"^preflight: datagen.run_files_dir='.*file/x': not writable"):
+        preflight(job(str(tmp_path / "file" / "x")))
+    assert output_dir(job(str(tmp_path / "files"))) == tmp_path / "files" / "r"  # process/evaluate outputs
