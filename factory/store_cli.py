@@ -89,8 +89,9 @@ def _object_store(args: argparse.Namespace) -> int:
             problems = store.verify(run_id)
             for problem in problems:
                 print(f"{run_id}: {problem.kind}: {problem.path}: {problem.reason}")
-            print(f"{run_id}: {len(store.committed(run_id))} committed shards, {store.count(run_id)} groups, "
-                  + ("consistent" if not problems else f"{len(problems)} problems"))
+            counts = "" if any(p.kind == "bad-line" for p in problems) else (  # no counts past a damaged record
+                f"{len(store.committed(run_id))} committed shards, {store.count(run_id)} groups, ")
+            print(f"{run_id}: {counts}" + ("consistent" if not problems else f"{len(problems)} problems"))
             bad += bool(problems)
             continue
         print(main_line(compact_object_run(store, run_id, target_bytes=int(args.target_mb * (1 << 20)), flush=args.flush)))

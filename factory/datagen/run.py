@@ -26,12 +26,12 @@ from factory.config import to_yaml
 from factory.datagen.backpressure import Backpressure
 from factory.datagen.config import JobConfig, job_config_model
 from factory.datagen.ops import RunOps
+from factory.datagen.store import open_datagen_store, run_location
 from factory.datagen.summary import summarize
 from factory.prefect_outage import best_effort
 from factory.run_outcome import (clean_start, count_discarded, forget_stats, read_discarded, target_missed_message,
                                  whole_run_totals)
 from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
-from factory.datagen.store import open_datagen_store, run_location
 from factory.store import ShardStore
 
 WriteShard = Callable[[str, str, str, int, Any], Any]

@@ -115,3 +115,19 @@ def test_verify_reports_a_damaged_record_as_one_problem(bucket):
         out.write(b'{"shard": "w0-0000')
     (problem,) = ObjectShardStore(f"s3://{name}/r").verify("run")
     assert problem.kind == "bad-line" and problem.path == f"s3://{name}/r/run/commits"
+
+
+def test_factory_store_verify_on_an_object_store(bucket, capsys):
+    from factory.store_cli import main as store_cli
+
+    fs, name = bucket
+    url = f"s3://{name}/c"
+    store = ObjectShardStore(url)
+    store.commit("run", "w0", 0, list(synthetic_groups(2, group_size=2, seq_len=8, env="e")))
+    assert store_cli(["verify", url]) == 0
+    assert "run: 1 committed shards, 2 groups, consistent" in capsys.readouterr().out
+    with fs.open_output_stream(f"{name}/c/run/commits/w0-00000001.parquet.json") as out:
+        out.write(b"{")
+    assert store_cli(["verify", url, "run"]) == 1
+    out = capsys.readouterr().out
+    assert "run: bad-line: " in out and out.strip().splitlines()[-1] == "run: 1 problems"
