@@ -136,11 +136,17 @@ class ObjectShardStore:
         if endpoint and "endpoint_override" not in parts.query:
             scheme, _, host = endpoint.partition("://")
             options.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+        # allow_delayed_open: a small object (a shard, a record) is written by one PUT at close instead of a
+        # multipart upload (create, part, complete); each is still absent or whole. An error (a bucket gone) then
+        # surfaces at close, inside the same `with` and its `except OSError`.
         if options:
-            self.fs = pafs.S3FileSystem(region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), **options)
+            self.fs = pafs.S3FileSystem(region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+                                        allow_delayed_open=True, **options)
             self.base = f"{parts.netloc}{parts.path}".rstrip("/")
         else:
-            self.fs, self.base = pafs.FileSystem.from_uri(url)
+            delayed = "" if "allow_delayed_open" in parts.query else "allow_delayed_open=true"
+            query = "&".join(q for q in (parts.query, delayed) if q)
+            self.fs, self.base = pafs.FileSystem.from_uri(parts._replace(query=query).geturl())
             self.base = self.base.rstrip("/")
         self.problems: list[Any] = []
         self.bucket = parts.netloc

@@ -131,3 +131,18 @@ def test_factory_store_verify_on_an_object_store(bucket, capsys):
     assert store_cli(["verify", url, "run"]) == 1
     out = capsys.readouterr().out
     assert "run: bad-line: " in out and out.strip().splitlines()[-1] == "run: 1 problems"
+
+
+def test_a_url_with_its_own_endpoint_commits_with_one_put_per_object(bucket, s3_endpoint, monkeypatch):
+    """The from_uri path (no AWS_ENDPOINT_URL): the URL's query is kept and small objects are written whole at close."""
+    fs, name = bucket
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    url = f"s3://{name}/u?endpoint_override={s3_endpoint.split('://')[1]}&scheme=http&region=us-east-1"
+    store = ObjectShardStore(url)
+    assert store.base == f"{name}/u"
+    store.commit("run", "w0", 0, list(synthetic_groups(2, group_size=2, seq_len=8, env="e")))
+    import pyarrow.fs as pafs
+
+    assert sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{name}/u/run", recursive=True))
+                  if i.type == pafs.FileType.File) == ["w0-00000000.parquet", "w0-00000000.parquet.json"]
+    assert len(list(ObjectShardStore(url).iter_groups("run"))) == 2
