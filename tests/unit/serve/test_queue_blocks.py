@@ -7,7 +7,6 @@ import asyncio
 import random
 
 import numpy as np
-import orjson
 import pytest
 
 from factory.serve import queue as queue_module
@@ -18,6 +17,8 @@ from factory.serve.service import BatchService
 from factory.store import ShardStore
 from factory.store_compact import compact_run
 from factory.synthetic import synthetic_groups
+from tests.unit.serve.test_service import REGISTRATION as SERVICE_REGISTRATION
+from tests.unit.serve.test_service import batch_ids
 
 
 def _key(entry) -> tuple:
@@ -77,15 +78,7 @@ def test_blocks_yield_what_one_entry_per_group_yields(monkeypatch, seed):
     assert all(type(item) is not Block and item.state != QUEUED for lane in many._lanes.values() for item in lane)
 
 
-REGISTRATION = dict(
-    wandb_group="g", wandb_project="p", batch_size=8, max_token_len=64,
-    checkpoint_dir="ckpt", save_checkpoint_interval=5, starting_step=0, num_steps=1000,
-)
-
-
-def _batch_ids(body: bytes) -> list[str]:
-    data = orjson.loads(body)
-    return [item["group_id"] for item in data["batch"]] if data.get("batch") else []
+REGISTRATION = {**SERVICE_REGISTRATION, "num_steps": 1000}
 
 
 @pytest.mark.parametrize("order", ["oldest_first", "newest_first"])
@@ -110,7 +103,7 @@ def test_groups_in_blocks_are_served_once_across_restarts_and_compaction(tmp_pat
             await service.register(REGISTRATION)
         served: list[str] = []
         while batches is None or batches > 0:
-            got = _batch_ids((await service.next_batch(False)).raw)
+            got = batch_ids((await service.next_batch(False)).raw)
             if not got:
                 break
             served += got
