@@ -34,7 +34,7 @@ from factory.train.loop import batch_fingerprint, make_source
 from factory.train.metrics import MetricsLog, open_wandb, plot_reward_curve
 from factory.train.push import push_weights
 from factory.train.sharding import ModelLoadError, build_policy, build_reference, check_model_dir, count_parameters
-from factory.train.sources import NoMoreBatches
+from factory.train.sources import BudgetSpent, NoMoreBatches
 from factory.train.weights import export_weights, latest_weights
 from factory.train.world import World
 
@@ -105,8 +105,12 @@ def run_distributed(cfg: TrainJobConfig, *, stop_after_steps: int | None = None)
                     reason = "max_runtime_s"
                 else:
                     waited = time.perf_counter()
+                    until = started + t.max_runtime_s if t.max_runtime_s is not None else None
                     try:
-                        groups = source.next_batch()
+                        groups = source.next_batch(until=until)
+                    except BudgetSpent as error:
+                        logger.info("%s", error)
+                        reason = "max_runtime_s"
                     except NoMoreBatches as error:
                         logger.warning("%s", error)
                         reason = "no_more_batches"

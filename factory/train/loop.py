@@ -26,7 +26,7 @@ import torch
 from factory.train.config import TrainJobConfig
 from factory.train.metrics import MetricsLog, open_wandb, plot_reward_curve
 from factory.train.push import BackgroundPusher, push_weights
-from factory.train.sources import ApiBatchSource, NoMoreBatches, StoreBatchSource
+from factory.train.sources import ApiBatchSource, BudgetSpent, NoMoreBatches, StoreBatchSource
 from factory.train.trainer import GRPOTrainer, checkpoint_dir, latest_checkpoint, prune_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -90,8 +90,13 @@ def run_training(cfg: TrainJobConfig, *, on_step: Callable[[dict[str, Any]], Non
             if stop_after_steps is not None and session_steps >= stop_after_steps:
                 return {"step": trainer.step, "stop_reason": "stop_after_steps", "checkpoint": str(last_saved)}
             waited = time.perf_counter()
+            until = started + t.max_runtime_s if t.max_runtime_s is not None else None
             try:
-                groups = source.next_batch()
+                groups = source.next_batch(until=until)
+            except BudgetSpent as error:
+                logger.info("%s", error)
+                stop_reason = "max_runtime_s"
+                break
             except NoMoreBatches as error:
                 logger.warning("%s", error)
                 stop_reason = "no_more_batches"

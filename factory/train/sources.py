@@ -26,6 +26,10 @@ class NoMoreBatches(RuntimeError):
     """The source is exhausted (store) or gave nothing for `max_wait_s` (API)."""
 
 
+class BudgetSpent(NoMoreBatches):
+    """No batch came before the trainer's wall-clock budget ran out (the caller's `until`)."""
+
+
 class ApiBatchSource:
     """An Atropos-protocol trainer client."""
 
@@ -53,8 +57,13 @@ class ApiBatchSource:
                     raise
                 time.sleep(self.poll_s)
 
-    def next_batch(self) -> list[dict[str, Any]]:
+    def next_batch(self, until: float | None = None) -> list[dict[str, Any]]:
+        """The next batch; waits up to `max_wait_s`, and never past `until` (a time.monotonic() value: the
+        trainer's budget), raising NoMoreBatches or BudgetSpent."""
         deadline = time.monotonic() + self.max_wait_s
+        budget_first = until is not None and until < deadline
+        if budget_first:
+            deadline = until
         while True:
             try:
                 response = self.http.get("/batch")
@@ -70,8 +79,10 @@ class ApiBatchSource:
             if batch:
                 return batch
             if time.monotonic() > deadline:
+                if budget_first:
+                    raise BudgetSpent(f"no batch from {self.http.base_url} before the wall-clock budget ran out")
                 raise NoMoreBatches(f"no batch from {self.http.base_url} for {self.max_wait_s:.0f} s")
-            time.sleep(self.poll_s)
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic()) + 0.01))
 
     def close(self) -> None:
         self.http.close()
@@ -116,7 +127,8 @@ class StoreBatchSource:
             if next(self._batches, None) is None:
                 break
 
-    def next_batch(self) -> list[dict[str, Any]]:
+    def next_batch(self, until: float | None = None) -> list[dict[str, Any]]:
+        """The next full batch of the store (`until` is not used: a store never waits)."""
         if self._batches is None:
             self.start(0)
         batch = next(self._batches, None)  # type: ignore[arg-type]
