@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 from factory.cli_errors import UserError
@@ -174,8 +175,8 @@ def clean_start(store: Any, run_id: str, producer: str) -> list[str]:
     shard_tmp = re.compile(rf"\.{re.escape(producer)}-\d{{8}}\.parquet\.[0-9a-f]+\.tmp")
     own_files = ("stats-", "config-", "curriculum-", "discarded-")
     run_tmp = re.compile(rf"\.(?:{'|'.join(own_files)}){re.escape(producer)}(?:-\d{{8}})?\.(?:json|yaml)\.[0-9a-f]+\.tmp")
-    shards = store.shards_dir(run_id)
-    for path in list(shards.glob(".*.tmp")) if shards.is_dir() else []:
+    shards = store.shards_dir(run_id)  # an object store's (a key prefix) holds no temporary objects
+    for path in list(shards.glob(".*.tmp")) if isinstance(shards, Path) and shards.is_dir() else []:
         if shard_tmp.fullmatch(path.name):
             path.unlink(missing_ok=True)
             removed.append(f"shards/{path.name}")

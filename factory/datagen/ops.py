@@ -211,7 +211,7 @@ class RunOps:
 
     def summary_artifact(self, rows: list[dict[str, Any]], *, key: str, description: str, store_dir: str) -> None:
         """The summary table on the run the user started, its description linking to the store."""
-        link = Path(store_dir).absolute().as_uri()
+        link = store_dir if "://" in store_dir else Path(store_dir).absolute().as_uri()  # s3://... as it is
         description = f"{description}; shards under [{store_dir}]({link})"
         if self.report_run is None:
             from prefect.artifacts import create_table_artifact
