@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from bench.local_s3 import start_local_s3
 from factory.synthetic import synthetic_groups
 from tasks.shards import write_shard
 
@@ -32,19 +30,7 @@ REQUEST = re.compile(r'"([A-Z]+) (/[^ ?]*)(\?[^ ]*)? HTTP')
 
 
 def _start_moto(log: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with open(log, "w") as out:  # moto logs one line per request on stderr
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=out, stderr=out)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except OSError:
-            time.sleep(0.05)
-    return server, endpoint
+    return start_local_s3(log)  # moto logs one line per request, which `_requests` counts
 
 
 def _requests(log: Path) -> list[str]:
