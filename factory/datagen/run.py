@@ -29,8 +29,7 @@ from factory.datagen.ops import RunOps
 from factory.datagen.store import open_datagen_store, run_location
 from factory.datagen.summary import summarize
 from factory.prefect_outage import best_effort
-from factory.run_outcome import (clean_start, count_discarded, forget_stats, read_discarded, target_missed_message,
-                                 whole_run_totals)
+from factory.run_outcome import count_discarded, forget_stats, read_discarded, target_missed_message, whole_run_totals
 from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
 from factory.store import ShardStore
 
@@ -164,8 +163,7 @@ class DatagenRun:
         d = cfg.datagen
         self.cfg, self.logger = cfg, logger
         self.store = open_datagen_store(d.store_root, d.run_files_dir)
-        self.ops = RunOps.start(self.store, cfg, logger)
-        clean_start(self.store, d.run_id, d.producer)  # temp files and stats files of uncommitted chunks
+        self.ops = RunOps.start(self.store, cfg, logger)  # also cleans up what a stopped process left
         self.store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
         self.spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
         env_class = self.spec.env_class()
