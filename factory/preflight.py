@@ -259,6 +259,10 @@ def preflight(cfg: Any, *, mode: str = "process", wait_s: float = 0.0, timeout: 
     """
     d, env, openai = cfg.datagen, cfg.env, cfg.openai
     check_store_writable("datagen.store_root", d.store_root)
+    if "://" in d.store_root and not d.store_root.startswith("file://"):  # an object store: run files stay local
+        from factory.datagen.store import DEFAULT_RUN_FILES_DIR
+
+        check_store_writable("datagen.run_files_dir", getattr(d, "run_files_dir", None) or DEFAULT_RUN_FILES_DIR)
     sampling_api = getattr(d, "sampling_api", "auto")
     generate = sampling_api == "generate" or (sampling_api == "auto" and openai.server_type == "sglang")
     if env.tokenizer_name:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -80,6 +79,8 @@ class RunOwner:
 
     def __init__(self, run_dir: str | Path, producer: str) -> None:
         self.path = Path(run_dir) / f".owner-{producer}.json"
+        self.sole_writer = False
+        """Set by `claim`: no other writer of this producer can be left alive."""
 
     def read(self) -> dict[str, Any] | None:
         try:
@@ -88,7 +89,11 @@ class RunOwner:
             return None
 
     def claim(self, flow_run_ids: list[str]) -> list[str]:
-        """Take ownership; crash the runs of a dead previous owner (returned). Raises if the owner is alive here."""
+        """Take ownership; crash the runs of a dead previous owner (returned). Raises if the owner is alive here.
+
+        Afterwards `sole_writer` says whether no other writer of this producer can be left alive (no previous owner,
+        or a dead one on this host), so what a stopped process left may be cleaned up (`run_outcome.clean_start`);
+        an owner on another host may still be writing."""
         crashed: list[str] = []
         previous = self.read()
         if previous and previous.get("pid") != os.getpid():
@@ -106,29 +111,12 @@ class RunOwner:
                                     only_if_running=True)
                 if crashed:
                     logger.warning("marked %d run(s) of a dead previous process Crashed: %s", len(crashed), crashed)
-        if not previous or previous.get("host") == socket.gethostname():  # no writer of ours can be left alive
-            self.remove_temp_files()
+        self.sole_writer = not previous or previous.get("host") == socket.gethostname()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "flow_runs": flow_run_ids}))
         os.replace(tmp, self.path)
         return crashed
-
-    def remove_temp_files(self) -> list[Path]:
-        """Delete this producer's half-written shards (`shards/.<producer>-<chunk>.parquet.<nonce>.tmp`) that a killed
-        process left; called while taking ownership, when no writer of this producer can still be running."""
-        producer = self.path.name.removeprefix(".owner-").removesuffix(".json")
-        removed = []
-        mine = re.compile(rf"\.{re.escape(producer)}-\d{{8}}\.parquet\.[0-9a-f]+\.tmp")  # not producer 'p-2' for 'p'
-        for path in (self.path.parent / "shards").glob(f".{producer}-*.tmp"):
-            if not mine.fullmatch(path.name):
-                continue
-            path.unlink(missing_ok=True)
-            removed.append(path)
-        if removed:
-            logger.warning("removed %d temporary file(s) a stopped run left in %s: %s", len(removed),
-                           self.path.parent / "shards", ", ".join(p.name for p in removed))
-        return removed
 
     def release(self) -> None:
         current = self.read()

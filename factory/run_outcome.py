@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 from factory.cli_errors import UserError
@@ -164,8 +165,11 @@ def clean_start(store: Any, run_id: str, producer: str) -> list[str]:
 
     Call it only while owning the run (no other writer of this producer): committed shards still under their
     temporary name are renamed into place first, then the producer's remaining hidden temporary files (shards,
-    stats, config, curriculum) go, and so do stats files of chunks that were never committed.
+    stats, config, curriculum) go, and so do stats files of chunks that were never committed. The temporary file
+    of a committed shard that could not be renamed into place is kept: it is that shard's only copy.
     """
+    from factory.store import staged_shard
+
     run_dir = store.run_dir(run_id)
     if not run_dir.is_dir():
         return []
@@ -174,12 +178,19 @@ def clean_start(store: Any, run_id: str, producer: str) -> list[str]:
     shard_tmp = re.compile(rf"\.{re.escape(producer)}-\d{{8}}\.parquet\.[0-9a-f]+\.tmp")
     own_files = ("stats-", "config-", "curriculum-", "discarded-")
     run_tmp = re.compile(rf"\.(?:{'|'.join(own_files)}){re.escape(producer)}(?:-\d{{8}})?\.(?:json|yaml)\.[0-9a-f]+\.tmp")
-    shards = store.shards_dir(run_id)
-    for path in list(shards.glob(".*.tmp")) if shards.is_dir() else []:
-        if shard_tmp.fullmatch(path.name):
-            path.unlink(missing_ok=True)
-            removed.append(f"shards/{path.name}")
-    committed = {r.chunk for r in store.committed(run_id).values() if r.producer == producer}
+    records = store.committed(run_id)
+    shards = store.shards_dir(run_id)  # an object store's (a key prefix) holds no temporary objects
+    for path in list(shards.glob(".*.tmp")) if isinstance(shards, Path) and shards.is_dir() else []:
+        if not shard_tmp.fullmatch(path.name):
+            continue
+        shard = staged_shard(path.name)
+        if shard in records and not (shards / shard).exists():
+            # the only copy of a committed shard (finish_commits could not rename it): the next commit or read will
+            logger.error("kept %s: shard %s is committed but not renamed into place yet", path.name, shard)
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(f"shards/{path.name}")
+    committed = {r.chunk for r in records.values() if r.producer == producer}
     for path in run_dir.iterdir():
         if run_tmp.fullmatch(path.name):
             path.unlink(missing_ok=True)

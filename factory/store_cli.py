@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="factory-store", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["verify", "repair", "compact"])
-    parser.add_argument("root", help="the store's root directory (compact also takes s3://bucket/prefix)")
+    parser.add_argument("root", help="the store's root directory (verify and compact also take s3://bucket/prefix)")
     parser.add_argument("runs", nargs="*", help="run ids (default: every run in the store)")
     parser.add_argument("--stale-tmp-s", type=float, default=DEFAULT_STALE_TMP_S,
                         help="repair: delete temporary files older than this many seconds (default %(default)s)")
@@ -70,12 +70,12 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def _object_store(args: argparse.Namespace) -> int:
-    """compact on an object store (verify and repair read a local log and directory)."""
+    """verify or compact on an object store (repair reads a local log and directory)."""
     from factory.store_object_compact import compact_object_run
 
-    if args.command != "compact":
-        print(f"factory-store: error: {args.command} works on a local or shared store root; on {args.root} only "
-              "compact is available", file=sys.stderr)
+    if args.command == "repair":
+        print(f"factory-store: error: repair works on a local or shared store root; on {args.root} verify and "
+              "compact are available", file=sys.stderr)
         return 2
     store = open_store(args.root)
     known = store.runs()
@@ -84,6 +84,15 @@ def _object_store(args: argparse.Namespace) -> int:
         if run_id not in known:
             print(f"{run_id}: no such run in {args.root}; runs there: {known or 'none'}")
             bad += 1
+            continue
+        if args.command == "verify":
+            problems = store.verify(run_id)
+            for problem in problems:
+                print(f"{run_id}: {problem.kind}: {problem.path}: {problem.reason}")
+            counts = "" if any(p.kind == "bad-line" for p in problems) else (  # no counts past a damaged record
+                f"{len(store.committed(run_id))} committed shards, {store.count(run_id)} groups, ")
+            print(f"{run_id}: {counts}" + ("consistent" if not problems else f"{len(problems)} problems"))
+            bad += bool(problems)
             continue
         print(main_line(compact_object_run(store, run_id, target_bytes=int(args.target_mb * (1 << 20)), flush=args.flush)))
     return 1 if bad else 0

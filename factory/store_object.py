@@ -30,7 +30,11 @@ run-api and its follower (shard files are read through `filesystem`; the served 
 file, `state_path`), the SFT/DPO exports, view-run (shards only: datagen stats and trainer metrics are local run
 files) and compaction. Records are immutable, so a store object caches them: a follower poll costs one listing
 of `commits/` and one of `compactions/` plus a GET per new record (compaction keeps `commits/` short).
-Not done on object stores: datagen writing to them, `verify`/`repair`, the manifest checkpoint.
+Datagen writes to an object store too (factory/datagen/store.py): its chunks through `commit` (a retried write
+task or a resumed run finds the chunk's record and writes nothing, so each chunk is committed once), its own run
+files (config, per-chunk stats, curriculum state, summary, owner lock) in a local directory,
+`datagen.run_files_dir`. `verify` checks each live object's size and sha256 against its record (streamed) and
+looks for group ids stored twice. Not done on object stores: `repair`, the manifest checkpoint.
 
 A missing credential, or a bucket that does not exist, is a one-line `StoreError` (commands print it as their
 last line, without a traceback).
@@ -56,8 +60,8 @@ import pyarrow.parquet as pq
 
 from environments.groups import ScoredGroup
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
-from factory.store import (PARQUET_OPTIONS, READ_BATCH_GROUPS, CommitRecord, ShardStore, StoreError, _batches_in_ranges,
-                           _check_name, shard_name)
+from factory.store import (PARQUET_OPTIONS, READ_BATCH_GROUPS, CommitRecord, ShardProblem, ShardStore, StoreError,
+                           _batches_in_ranges, _check_name, _take_ranges, shard_name)
 
 OBJECT_SCHEMES = ("s3",)
 
@@ -132,11 +136,17 @@ class ObjectShardStore:
         if endpoint and "endpoint_override" not in parts.query:
             scheme, _, host = endpoint.partition("://")
             options.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+        # allow_delayed_open: a small object (a shard, a record) is written by one PUT at close instead of a
+        # multipart upload (create, part, complete); each is still absent or whole. An error (a bucket gone) then
+        # surfaces at close, inside the same `with` and its `except OSError`.
         if options:
-            self.fs = pafs.S3FileSystem(region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), **options)
+            self.fs = pafs.S3FileSystem(region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+                                        allow_delayed_open=True, **options)
             self.base = f"{parts.netloc}{parts.path}".rstrip("/")
         else:
-            self.fs, self.base = pafs.FileSystem.from_uri(url)
+            delayed = "" if "allow_delayed_open" in parts.query else "allow_delayed_open=true"
+            query = "&".join(q for q in (parts.query, delayed) if q)
+            self.fs, self.base = pafs.FileSystem.from_uri(parts._replace(query=query).geturl())
             self.base = self.base.rstrip("/")
         self.problems: list[Any] = []
         self.bucket = parts.netloc
@@ -376,6 +386,84 @@ class ObjectShardStore:
             except (OSError, pa.ArrowException) as error:
                 raise self._fail(f"reading shard file {run_id}/{name}", error) from None
 
+    def verify(self, run_id: str) -> list[ShardProblem]:
+        """Full check of a run (`factory-store verify s3://...`); every inconsistency is returned (and kept in
+        `self.problems`): each live object (a committed shard, or a compacted file) missing, of another size or
+        sha256 than its record says, or unreadable, and group ids stored in more than one live object. Every
+        record is read again. Shard objects without a record (a commit cut short, members of a compaction not yet
+        deleted) are never read, so they are not problems."""
+        with self._lock:
+            self._runs.pop(run_id, None)
+        try:
+            cached = self._refresh(run_id)
+        except (ValueError, KeyError, TypeError) as error:  # a damaged record: readers of the run fail on it too
+            why = f"damaged commit or compaction record: {error}"
+            self.problems = [ShardProblem(self._url(run_id, "commits"), why, "bad-line")]
+            return self.problems
+        with self._lock:
+            records = [cached.records[name] for name in cached.order]
+            compacted = dict(cached.files)
+        live: dict[str, tuple[int | None, str | None, list[tuple[int, int]] | None]] = {}
+        for record in records:
+            if record.file:
+                size, sha256 = compacted.get(record.file, (None, None))
+                ranges = live.setdefault(record.file, (size, sha256, []))[2]
+                ranges.append((record.row_offset, record.row_offset + record.rows))  # type: ignore[union-attr]
+            else:
+                live[record.shard] = (record.bytes, record.sha256, None)
+        problems: list[ShardProblem] = []
+        seen: dict[str, str] = {}
+        for name, (size, sha256, ranges) in live.items():
+            path = self.shard_path(run_id, name)
+            try:
+                problem = self._check_object(path, size, sha256)
+                if problem is None:
+                    with self.fs.open_input_file(path) as handle:
+                        ids = pq.read_table(handle, columns=["group_id"]).column(0)
+                    ids = _take_ranges(pa.table({"group_id": ids}), sorted(ranges) if ranges is not None else None)
+            except (OSError, pa.ArrowException) as error:
+                problem = f"unreadable: {' '.join(str(error).split())}"
+            if problem is not None:
+                problems.append(ShardProblem(self._url(run_id, f"shards/{name}"), problem,
+                                             problem.split(" ", 1)[0].rstrip(":")))
+                continue
+            again: dict[str, int] = {}
+            for group_id in ids.column(0).to_pylist():
+                if group_id in seen:
+                    again[seen[group_id]] = again.get(seen[group_id], 0) + 1
+                else:
+                    seen[group_id] = name
+            for other, count in again.items():
+                problems.append(ShardProblem(self._url(run_id, f"shards/{name}"),
+                                             f"{count} group ids are also stored in {other} (duplicates)", "duplicate"))
+        self.problems = problems
+        return problems
+
+    def _url(self, run_id: str, key: str) -> str:
+        """s3://bucket/prefix/<run>/<key>, for messages."""
+        return f"s3://{self._run(run_id)}/{key}"
+
+    def _check_object(self, path: str, size: int | None, sha256: str | None) -> str | None:
+        """None when the object at `path` has the size and sha256 its record says (streamed, 8 MiB at a time)."""
+        try:
+            handle = self.fs.open_input_stream(path)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as error:
+            if "NoSuchKey" in str(error) or "does not exist" in str(error):
+                return "missing"
+            raise
+        digest, total = hashlib.sha256(), 0
+        with handle:
+            while chunk := handle.read(8 << 20):
+                digest.update(chunk)
+                total += len(chunk)
+        if size is not None and total != size:
+            return f"size is {total} bytes, its record says {size} (truncated or overwritten)"
+        if sha256 is not None and digest.hexdigest() != sha256:
+            return "sha256 differs from its record (corrupt)"
+        return None
+
     def iter_groups(self, run_id: str, *, validate: bool = False) -> Iterator[ScoredGroup]:
         for batch in self.iter_batches(run_id):
             yield from record_batch_to_groups(batch, validate=validate)
@@ -399,6 +487,8 @@ class _RunRecords:
         self.changed: list[str] = []
         self.compactions: dict[str, str] = {}
         """Compaction records read: merged file -> committed_at."""
+        self.files: dict[str, tuple[int | None, str | None]] = {}
+        """Merged files: name -> (bytes, sha256) their compaction record says."""
 
     def put(self, record: CommitRecord) -> None:
         if record.shard not in self.records:
@@ -411,6 +501,7 @@ class _RunRecords:
         compaction already moved stays where that one put it (two compactors raced: the first record wins)."""
         name, offset = data["compact"], 0
         self.compactions[name] = data["committed_at"]
+        self.files[name] = (data.get("bytes"), data.get("sha256"))
         for member in data["members"]:
             record = CommitRecord.from_dict(member)
             current = self.records.get(record.shard)

@@ -30,6 +30,7 @@ from factory.datagen.endpoints import choose_endpoints
 from factory.datagen.ops import RunStopped, close_current
 from factory.datagen.run import DatagenRun
 from factory.datagen.runtime import check_importable_by_workers, make_task_runner
+from factory.datagen.store import DEFAULT_RUN_FILES_DIR
 from factory.flow_context import in_flow_run, tasks_on
 from factory.preflight import PreflightError, preflight
 from factory.run_logging import outcome_warning, project_logs_to_run
@@ -82,6 +83,8 @@ def run_datagen(ref: str, *, env: dict[str, Any] | None = None, openai: dict[str
         choose_endpoints(cfg)  # before preflight, which checks the chosen endpoints
         if "://" not in cfg.datagen.store_root:  # './data' is where the flow runs, also for workers in other dirs
             cfg.datagen.store_root = str(Path(cfg.datagen.store_root).absolute())
+        else:  # an s3:// store: its run files stay in a local directory, also where the flow runs
+            cfg.datagen.run_files_dir = str(Path(cfg.datagen.run_files_dir or DEFAULT_RUN_FILES_DIR).absolute())
         check_importable_by_workers(cfg.datagen, __name__)
         preflight(cfg, mode="serve" if cfg.serve.api_url else "process", wait_s=cfg.datagen.preflight_wait_s)
         runner = make_task_runner(cfg.datagen)  # a SLURM block asks sbatch --test-only here

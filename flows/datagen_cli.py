@@ -26,7 +26,8 @@ from factory.cli_errors import classify
 from factory.config import ConfigError, config_help, prog_name, split_config_path, wants_help
 from factory.preflight import PreflightError, preflight
 from factory.inference.client import InferenceClient
-from factory.store import ShardStore
+from factory.datagen.store import open_datagen_store
+from factory.store_object import StoreReader, open_store
 from factory.datagen.config import JobConfig, build_job_config, job_config_model
 from factory.datagen.endpoints import choose_endpoints
 from factory.datagen.ops import RunStopped
@@ -40,12 +41,13 @@ RunDatagen = Callable[..., Any]
 
 def output_dir(cfg: JobConfig) -> Path:
     d = cfg.datagen
-    path = Path(d.output_dir) if d.output_dir else ShardStore(d.store_root).run_dir(d.run_id)
+    # default: the run's directory; for an s3:// store, its local run-files directory
+    path = Path(d.output_dir) if d.output_dir else open_datagen_store(d.store_root, d.run_files_dir).run_dir(d.run_id)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def write_groups_jsonl(store: ShardStore, run_id: str, path: Path) -> int:
+def write_groups_jsonl(store: StoreReader, run_id: str, path: Path) -> int:
     """Every group of a run as one JSON object per line (Atropos's wire fields plus factory metadata)."""
     count = 0
     with open(path, "w", encoding="utf-8") as out:
@@ -69,7 +71,7 @@ def write_groups_html(jsonl: Path, path: Path, *, title: str, limit: int = 500) 
 
 def process(ref: str, cfg: JobConfig, config_path: str | None, args: list[str], run: RunDatagen) -> dict[str, Any]:
     summary = run(ref, config_path=config_path, cli_args=args)
-    store = ShardStore(cfg.datagen.store_root)
+    store = open_store(cfg.datagen.store_root)
     out = output_dir(cfg)
     jsonl = out / "groups.jsonl"
     count = write_groups_jsonl(store, cfg.datagen.run_id, jsonl)

@@ -1,4 +1,5 @@
-"""Prefect task that commits a chunk of groups as one shard (a thin wrapper over `ShardStore.commit`)."""
+"""Prefect task that commits a chunk of groups as one shard (a thin wrapper over the store's `commit`: a local or
+shared `ShardStore`, or an `ObjectShardStore` for an s3:// root)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from prefect.cache_policies import NO_CACHE
 
 from environments.groups import ScoredGroup
 from factory.run_logging import logs_to_task_run
-from factory.store import CommitRecord, ShardStore
+from factory.store import CommitRecord
+from factory.store_object import open_store
 
 
 def write_shard(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup]) -> CommitRecord:
     """Commit `groups` as the shard of (run, producer, chunk); a committed chunk is skipped."""
-    return ShardStore(root).commit(run_id, producer, chunk, groups)
+    return open_store(root).commit(run_id, producer, chunk, groups)
 
 
 write_shard_task = task(

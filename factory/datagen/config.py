@@ -28,7 +28,11 @@ class DatagenSettings(FactoryConfig):
     """The `datagen.` section: where groups go and how the work is cut and executed."""
 
     run_id: str | None = Field(None, description="Run to write (and resume); default: the environment's name.")
-    store_root: str = Field("./data", description="Shard store root directory.")
+    store_root: str = Field("./data", description="Shard store root: a local or shared directory, or an object store "
+                            "URL s3://bucket/prefix (credentials and AWS_ENDPOINT_URL from the environment).")
+    run_files_dir: str | None = Field(None, description="With an s3:// store_root: the local directory of the run's "
+                                      "own files (config, per-chunk stats, curriculum state, summary, owner lock), "
+                                      "default ./run-files; keep it for a resume. Unused for a local store_root.")
     producer: str | None = Field(None, description="Producer name in shard names; default: the environment's name.")
     chunk_items: int = Field(100, ge=1, description="Items per chunk: a chunk is one shard (rollouts saved every N items).")
     chunks_in_flight: int = Field(2, ge=1, description="Chunks in the pipeline at once (generation overlaps scoring).")

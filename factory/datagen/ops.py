@@ -1,7 +1,10 @@
 """The datagen flow's operability glue: run ownership, graceful stop, progress line and artifacts on the user's run.
 
 `RunOps.start` is called first thing in the pipeline flow. It claims the run's
-owner file (crashing the Prefect runs of a dead previous owner), installs the
+owner file (crashing the Prefect runs of a dead previous owner), cleans up what
+a stopped process of the producer left (`run_outcome.clean_start`: shards whose
+commit record is durable are renamed into place first, then temp files and
+stats of uncommitted chunks go), installs the
 SIGTERM/SIGINT handler (stop taking chunks, give chunks in flight
 `datagen.shutdown_grace_s` to finish and commit, mark the runs Cancelled, exit),
 and finds the run the user started (the deployment's parent run, else this one)
@@ -18,6 +21,7 @@ from typing import Any
 from factory.progress import PROGRESS_PREFIX, ChunkProgress
 from factory.slurm_cluster import ClusterFault
 from factory.run_control import RunOwner, current_flow_run_id, set_state
+from factory.run_outcome import clean_start
 from factory.shutdown import GracefulStop, hard_exit
 
 
@@ -85,6 +89,9 @@ class RunOps:
             _current.close()
         ops = _current = cls(store, cfg, logger)
         ops.owner.claim(ops.runs)
+        if ops.owner.sole_writer:  # no writer of this producer can be left alive: what a stopped one left can go
+            d = cfg.datagen
+            clean_start(store, d.run_id, d.producer)
         ops.stop.__enter__()
         return ops
 
@@ -211,7 +218,7 @@ class RunOps:
 
     def summary_artifact(self, rows: list[dict[str, Any]], *, key: str, description: str, store_dir: str) -> None:
         """The summary table on the run the user started, its description linking to the store."""
-        link = Path(store_dir).absolute().as_uri()
+        link = store_dir if "://" in store_dir else Path(store_dir).absolute().as_uri()  # s3://... as it is
         description = f"{description}; shards under [{store_dir}]({link})"
         if self.report_run is None:
             from prefect.artifacts import create_table_artifact

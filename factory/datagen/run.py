@@ -26,10 +26,10 @@ from factory.config import to_yaml
 from factory.datagen.backpressure import Backpressure
 from factory.datagen.config import JobConfig, job_config_model
 from factory.datagen.ops import RunOps
+from factory.datagen.store import open_datagen_store, run_location
 from factory.datagen.summary import summarize
 from factory.prefect_outage import best_effort
-from factory.run_outcome import (clean_start, count_discarded, forget_stats, read_discarded, target_missed_message,
-                                 whole_run_totals)
+from factory.run_outcome import count_discarded, forget_stats, read_discarded, target_missed_message, whole_run_totals
 from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
 from factory.store import ShardStore
 
@@ -162,9 +162,8 @@ class DatagenRun:
     def __init__(self, ref: str, cfg: JobConfig, logger: Any, *, write_shard: WriteShard) -> None:
         d = cfg.datagen
         self.cfg, self.logger = cfg, logger
-        self.store = ShardStore(d.store_root)
-        self.ops = RunOps.start(self.store, cfg, logger)
-        clean_start(self.store, d.run_id, d.producer)  # temp files and stats files of uncommitted chunks
+        self.store = open_datagen_store(d.store_root, d.run_files_dir)
+        self.ops = RunOps.start(self.store, cfg, logger)  # also cleans up what a stopped process left
         self.store.write_run_file(d.run_id, f"config-{d.producer}.yaml", to_yaml(cfg))
         self.spec = EnvSpec(ref, cfg.env.model_dump(mode="json"))
         env_class = self.spec.env_class()
@@ -207,7 +206,7 @@ class DatagenRun:
         self.progress_id = self.ops.progress_artifact(
             sampler.progress(), key=artifact_key(d.run_id, "progress"),
             description=f"{self.env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id} "
-                        f"(store {self.store.run_dir(d.run_id).absolute()})")
+                        f"(store {run_location(self.store, d.run_id)})")
         self.ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks),
                        groups_before=sampler.committed_groups)
 

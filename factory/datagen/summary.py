@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from factory.datagen.store import run_location
 from factory.sampling import chunk_stats_name
 from factory.store import ShardStore
 from tasks.group import DROP_REASONS
@@ -53,5 +54,5 @@ def summarize(store: ShardStore, cfg: Any, seconds: float, session: Counter[str]
         "session_groups_per_s": round(session["groups_kept"] / seconds, 2) if seconds else None,
         "inference_share": round(covered(intervals) / seconds, 3) if seconds else None,
         "paused_s": round(session["paused_ms"] / 1000, 2),
-        "store": str(store.run_dir(run)),
+        "store": run_location(store, run),
     }

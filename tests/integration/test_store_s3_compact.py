@@ -145,10 +145,12 @@ def test_compact_task_flow_cli_on_an_object_store(bucket, capsys):
     assert report["shards"] == 4 and "merged 4 shards" in report["summary"]
     assert store_cli(["compact", url, "b", "--flush"]) == 0
     assert store_cli(["compact", url, "nope"]) == 1
-    assert store_cli(["verify", url]) == 2
+    assert store_cli(["verify", url]) == 0  # after compaction: merged objects checked against their records
+    assert store_cli(["repair", url]) == 2
     captured = capsys.readouterr()
     assert "b: merged 4 shards" in captured.out and "nope: no such run" in captured.out
-    assert "only compact is available" in captured.err
+    assert "a: 4 committed shards, 20 groups, consistent" in captured.out
+    assert "verify and compact are available" in captured.err
     assert store_cli(["compact", "s3://no-such-bucket/s"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'no-such-bucket'" in err and "does not exist" in err

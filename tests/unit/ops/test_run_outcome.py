@@ -82,3 +82,14 @@ def test_clean_start_removes_temps_and_stats_of_uncommitted_chunks_only(tmp_path
     assert (shards / ".p-2-00000001.parquet.0123456789ab.tmp").exists()
     assert store.count("run") == 2 and store.verify("run") == []
     assert clean_start(store, "never-written", "p") == []
+
+
+def test_clean_start_keeps_the_temp_file_of_a_committed_shard_it_could_not_rename(tmp_path: Path, monkeypatch):
+    store = ShardStore(tmp_path)
+    monkeypatch.setattr(ShardStore, "_publish", lambda self, tmp, final: None)  # killed after the commit record
+    store.commit("run", "p", 0, synthetic_groups(2, group_size=2, seq_len=4, vocab=20, seed=0))
+    monkeypatch.setattr(ShardStore, "finish_commits", lambda self, run_id: [])  # its rename fails again
+    (staged,) = store.shards_dir("run").glob(".p-00000000.parquet.*.tmp")
+    assert clean_start(store, "run", "p") == [] and staged.exists()
+    monkeypatch.undo()
+    assert ShardStore(tmp_path).verify("run") == []  # a reader finishes the commit from it

@@ -53,3 +53,18 @@ def test_isolated_measurement_is_killed_past_its_limit():
         scale._isolated(time.sleep, 60, timeout=0.5)
     assert time.perf_counter() - begin < 30
     assert scale._cell(None, ".2f", 120) == "> 120 (killed)" and scale._cell(1.234, ".2f") == "1.23"
+
+
+def test_datagen_commit_bench_smoke(capsys):
+    import os
+
+    import pytest
+
+    pytest.importorskip("moto", minversion="5.2.5")
+    from bench.shards.datagen_commit import main
+
+    before = dict(os.environ)
+    main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "| s3, retried |" in out and "S3 requests per first commit" in out
+    assert dict(os.environ) == before  # the AWS variables it set are gone

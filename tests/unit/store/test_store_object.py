@@ -74,3 +74,75 @@ def test_changes_return_each_new_record_once(bucket):
     assert [r.shard for r in second] == ["w1-00000000.parquet"]
     path, offset, rows = store.locate("run", "w1-00000000.parquet")
     assert store.file_size(path) == second[0].bytes and (offset, rows) == (0, 2)
+
+
+def test_verify_checks_each_live_object_against_its_record(bucket):
+    fs, name = bucket
+    store = ObjectShardStore(f"s3://{name}/v")
+    for chunk in range(3):
+        store.commit("run", "w0", chunk, list(synthetic_groups(2, start=10 * chunk, group_size=2, seq_len=8, env="e")))
+    with fs.open_output_stream(store.shard_path("run", "w0-00000009.parquet")) as out:  # a commit cut short
+        out.write(b"no record: never read, not a problem")
+    assert store.verify("run") == []
+
+    shard = store.shard_path("run", "w0-00000001.parquet")
+    with fs.open_input_stream(shard) as handle:
+        data = handle.read()
+    with fs.open_output_stream(shard) as out:  # same size, one byte changed
+        out.write(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
+    fs.delete_file(store.shard_path("run", "w0-00000002.parquet"))
+    problems = store.verify("run")
+    assert sorted((p.kind, p.path.rsplit("/", 1)[1]) for p in problems) == [
+        ("missing", "w0-00000002.parquet"), ("sha256", "w0-00000001.parquet")]
+    assert problems[0].path.startswith(f"s3://{name}/v/run/shards/")
+
+
+def test_verify_finds_a_group_stored_in_two_objects(bucket):
+    _, name = bucket
+    store = ObjectShardStore(f"s3://{name}/d")
+    groups = list(synthetic_groups(2, group_size=2, seq_len=8, env="e"))
+    store.commit("run", "w0", 0, groups)
+    store.commit("run", "w1", 0, groups)  # two producers wrote the same groups
+    (problem,) = store.verify("run")
+    assert problem.kind == "duplicate" and "2 group ids are also stored in w0-00000000.parquet" in problem.reason
+
+
+def test_verify_reports_a_damaged_record_as_one_problem(bucket):
+    fs, name = bucket
+    store = ObjectShardStore(f"s3://{name}/r")
+    store.commit("run", "w0", 0, list(synthetic_groups(2, group_size=2, seq_len=8, env="e")))
+    with fs.open_output_stream(f"{name}/r/run/commits/w0-00000001.parquet.json") as out:
+        out.write(b'{"shard": "w0-0000')
+    (problem,) = ObjectShardStore(f"s3://{name}/r").verify("run")
+    assert problem.kind == "bad-line" and problem.path == f"s3://{name}/r/run/commits"
+
+
+def test_factory_store_verify_on_an_object_store(bucket, capsys):
+    from factory.store_cli import main as store_cli
+
+    fs, name = bucket
+    url = f"s3://{name}/c"
+    store = ObjectShardStore(url)
+    store.commit("run", "w0", 0, list(synthetic_groups(2, group_size=2, seq_len=8, env="e")))
+    assert store_cli(["verify", url]) == 0
+    assert "run: 1 committed shards, 2 groups, consistent" in capsys.readouterr().out
+    with fs.open_output_stream(f"{name}/c/run/commits/w0-00000001.parquet.json") as out:
+        out.write(b"{")
+    assert store_cli(["verify", url, "run"]) == 1
+    out = capsys.readouterr().out
+    assert "run: bad-line: " in out and out.strip().splitlines()[-1] == "run: 1 problems"
+
+
+def test_a_url_with_its_own_endpoint_commits_with_one_put_per_object(bucket, s3_endpoint, monkeypatch):
+    """The from_uri path (no AWS_ENDPOINT_URL): the URL's query is kept and small objects are written whole at close."""
+    fs, name = bucket
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    url = f"s3://{name}/u?endpoint_override={s3_endpoint.split('://')[1]}&scheme=http&region=us-east-1"
+    store = ObjectShardStore(url)
+    assert store.base == f"{name}/u"
+    store.commit("run", "w0", 0, list(synthetic_groups(2, group_size=2, seq_len=8, env="e")))
+    import pyarrow.fs as pafs
+
+    assert sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{name}/u/run", recursive=True))
+                  if i.type == pafs.FileType.File) == ["w0-00000000.parquet", "w0-00000000.parquet.json"]
+    assert len(list(ObjectShardStore(url).iter_groups("run"))) == 2
