@@ -23,4 +23,5 @@ def test_equal_configs_in_any_order_share_one_env_also_after_pickling():
     copy = pickle.loads(pickle.dumps(a))
     assert copy == a and copy.config_key == a.config_key
     assert load_env(a, setup=False) is load_env(b, setup=False) is load_env(copy, setup=False)
-    assert load_env(EnvSpec(IB, {"group_size": 5, "task_name": "arithmetic"}), setup=False) is not load_env(a, setup=False)
+    other = EnvSpec(IB, {"group_size": 5, "task_name": "arithmetic"})
+    assert load_env(other, setup=False) is not load_env(a, setup=False)
