@@ -270,7 +270,8 @@ def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
                                       capture_output=True, text=True, cwd=checkout)
                 if done.returncode:
                     raise SystemExit(f"side {name} failed: {done.stderr[-2000:]}")
-                got[name] = json.loads(done.stdout.strip().splitlines()[-1])
+                line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith('{"flow_us"'))
+                got[name] = json.loads(line)  # the record line; Prefect's log lines may follow it
                 print(f"round {round_index} side {name}: flow {[round(x) for x in got[name]['flow_us']]} us/group, "
                       f"plain {[round(x) for x in got[name]['plain_us']]}, load {got[name]['load1']:.1f}", flush=True)
             rounds.append(got)
