@@ -20,6 +20,7 @@ A new environment is one file::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -282,6 +283,12 @@ class EnvSpec:
     ref: str
     config: dict[str, Any]
 
+    @functools.cached_property
+    def config_key(self) -> str:
+        """`config` as sorted JSON, made once per spec: `load_env` looks envs up by it once per item when scoring
+        inline (a spec's config is not changed after the spec is made)."""
+        return json.dumps(self.config, sort_keys=True, default=str)
+
     def env_class(self) -> type[BaseEnv]:
         module, _, name = self.ref.partition(":")
         try:
@@ -303,7 +310,7 @@ _envs_lock = threading.Lock()
 
 def load_env(spec: EnvSpec, *, setup: bool = True) -> BaseEnv:
     """The environment for `spec`, built (and set up) once per process and reused by every chunk."""
-    key = (spec.ref, json.dumps(spec.config, sort_keys=True, default=str), setup)
+    key = (spec.ref, spec.config_key, setup)
     with _envs_lock:
         env = _envs.get(key)
         if env is None:

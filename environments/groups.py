@@ -155,17 +155,20 @@ class ScoredGroup(BaseModel):
             value = getattr(self, name)
             if value is not None and len(value) != size:
                 raise ValueError(f"{name} has {len(value)} entries but tokens has {size} sequences")
+        # The per-sequence fields that are set, looked up once (not once per sequence): same checks, same order.
+        aligned = [(name, value) for name in _TOKEN_ALIGNED if (value := getattr(self, name)) is not None]
+        distill = [(name, value) for name in ("distill_token_ids", "distill_logprobs")
+                   if (value := getattr(self, name)) is not None]
         for i, sequence in enumerate(self.tokens):
             if not sequence:
                 raise ValueError(f"tokens[{i}] is empty")
-            for name in _TOKEN_ALIGNED:
-                value = getattr(self, name)
-                if value is not None and len(value[i]) != len(sequence):
-                    raise ValueError(f"{name}[{i}] has {len(value[i])} entries but tokens[{i}] has {len(sequence)}")
-            for name in ("distill_token_ids", "distill_logprobs"):
-                value = getattr(self, name)
-                if value is not None and len(value[i]) != len(sequence):
-                    raise ValueError(f"{name}[{i}] has {len(value[i])} positions but tokens[{i}] has {len(sequence)}")
+            length = len(sequence)
+            for name, value in aligned:
+                if len(value[i]) != length:
+                    raise ValueError(f"{name}[{i}] has {len(value[i])} entries but tokens[{i}] has {length}")
+            for name, value in distill:
+                if len(value[i]) != length:
+                    raise ValueError(f"{name}[{i}] has {len(value[i])} positions but tokens[{i}] has {length}")
         if self.distill_token_ids is not None and self.distill_logprobs is not None:
             for i, (ids, lps) in enumerate(zip(self.distill_token_ids, self.distill_logprobs)):
                 for p, (id_k, lp_k) in enumerate(zip(ids, lps)):

@@ -73,22 +73,55 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 class ClientSampler:
     """The `Sampler` environments use: token in/token out over /generate, or chat with local tokenization."""
 
+    PROMPT_CACHE_MAX = 4096
+
     def __init__(self, client: InferenceClient, tokenizer: Any | None, api: Literal["generate", "chat"]) -> None:
         if api == "generate" and tokenizer is None:
             raise ValueError("sampling through /generate needs a tokenizer; set env.tokenizer_name")
         self.client, self.tokenizer, self.api = client, tokenizer, api
         self._prompt_cache: dict[str, list[int]] = {}
+        self._pending: dict[str, list[dict[str, Any]]] = {}
         if tokenizer is not None:
             serial_tokenizers()
+
+    def prepare(self, conversations: Sequence[list[dict[str, Any]]]) -> None:
+        """The prompts a chunk is about to sample: the first one that needs its token ids templates and encodes
+        all of them in one call each (the per-call Python of `apply_chat_template` is paid once per chunk, not
+        once per prompt). Nothing is done until then: a chat server that returns prompt ids never needs them."""
+        if self.tokenizer is None:
+            return
+        for messages in conversations:
+            key = repr(messages)
+            if key not in self._prompt_cache:
+                self._pending[key] = messages
 
     def _ids(self, messages: list[dict[str, Any]]) -> list[int]:
         key = repr(messages)
         ids = self._prompt_cache.get(key)
+        if ids is None and key in self._pending:
+            self._template_pending()
+            ids = self._prompt_cache.get(key)
         if ids is None:
-            if len(self._prompt_cache) > 4096:
+            if len(self._prompt_cache) > self.PROMPT_CACHE_MAX:
                 self._prompt_cache.clear()
             ids = self._prompt_cache[key] = prompt_ids(self.tokenizer, messages)
         return ids
+
+    def _template_pending(self) -> None:
+        """`prompt_ids` of every pending prompt, in one batched template call and one encode call. On any error
+        nothing is cached: each prompt is then templated alone and fails (as an error rollout) as it would have."""
+        pending, self._pending = self._pending, {}
+        if len(self._prompt_cache) + len(pending) > self.PROMPT_CACHE_MAX:
+            self._prompt_cache.clear()
+        keys = list(pending)[: self.PROMPT_CACHE_MAX]
+        try:
+            texts = self.tokenizer.apply_chat_template([text_messages(pending[key]) for key in keys],
+                                                       add_generation_prompt=True, tokenize=False)
+            if not isinstance(texts, list) or len(texts) != len(keys):
+                return
+            self._prompt_cache.update(zip(keys, encode_texts(self.tokenizer, texts)))
+        except Exception:  # noqa: BLE001 - see the docstring
+            logger.debug("batched prompt templating failed; templating each prompt alone", exc_info=True)
 
     async def complete(self, messages: list[dict[str, Any]], *, n: int, sampling: SamplingParams,
                        prompt_ids: list[int] | None = None) -> list[Completion]:
@@ -223,6 +256,8 @@ async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, m
     """Sample a group for every item, at most `max_in_flight` items at once; failures become error rollouts."""
     gate = asyncio.Semaphore(max_in_flight)
     started, wall = time.perf_counter(), time.time()
+    if not env.multi_turn and (prepare := getattr(sampler, "prepare", None)) is not None:
+        prepare([item.messages for item in items])  # one-reply items: their prompts are templated as a batch
 
     async def one(item: Item) -> list[Rollout]:
         async with gate:

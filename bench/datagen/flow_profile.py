@@ -3,6 +3,11 @@
     OMP_NUM_THREADS=1 python -m bench.datagen.flow_profile --groups 1000 --calls 3 --plain --chunk-items 250,1000
     python -m bench.datagen.flow_profile --smoke
     python -m bench.datagen.flow_profile --groups 1000 --calls 3 --cprofile 40   # plus cProfile over every thread
+    python -m bench.datagen.flow_profile --groups 1000 --calls 3 --plain --versus /tmp/base --pairs 2  # A/B
+
+`--versus CHECKOUT` runs this profile on CHECKOUT's code (A) and this checkout's (B) in alternating child
+processes, A,B per round, against one Prefect server, and prints per round each side's warm flow and plain-worker
+CPU per group, the orchestration share and the rows written (count and content hash, which must match).
 
 One process, one Prefect server, the instant server; the flow (`intern_bootcamp_datagen`, inline scoring, thread
 pool) is called `--calls` times and the first call (imports, tokenizer, Prefect engine start) is left out. For
@@ -114,7 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gc-threshold", type=int, default=0, help="experiment: gc.set_threshold(N, 10, 10)")
     parser.add_argument("--chunk-items", default="",
                         help="comma-separated chunk sizes to compare, interleaved per call (default: groups/4)")
+    parser.add_argument("--versus", type=Path, metavar="CHECKOUT",
+                        help="before/after: CHECKOUT's code (A) and this one's (B) in alternating child processes")
+    parser.add_argument("--pairs", type=int, default=2, help="A,B rounds for --versus")
+    parser.add_argument("--record-line", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.versus is not None:
+        return versus(args, argv)
     if args.smoke:
         args.groups, args.calls = min(args.groups, 32), 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -187,6 +198,15 @@ def main(argv: list[str] | None = None) -> None:
     import statistics
 
     shutil.rmtree(work, ignore_errors=True)  # the stores and the Prefect home of this run
+    if args.record_line:  # for --versus: the warm calls of the first chunk size, as one JSON line
+        import json
+
+        chunk_items = variants[0]
+        print(json.dumps({"flow_us": [row[0] for row in per_variant[chunk_items]],
+                          "plain_us": PLAIN.get(chunk_items, []),
+                          "rows": [row["rows"] for row in ROWS_WRITTEN],
+                          "sha256": sorted({row["sha256"] for row in ROWS_WRITTEN}),
+                          "load1": os.getloadavg()[0]}))
 
     print(f"\nwarm calls, {args.groups} groups of {args.group_size} (median over {args.calls - 1} call(s) each)")
     print("chunk_items  chunks  process CPU us/group  groups/s (whole call)  groups/s (pipeline)  s per chunk  "
@@ -220,6 +240,63 @@ def main(argv: list[str] | None = None) -> None:
         for sort in args.sort.split(","):
             stats.sort_stats(sort).print_stats(args.cprofile)
         print(stream.getvalue())
+
+
+def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """A (`--versus` checkout) and B (this checkout) in alternating child processes against one Prefect server."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parents[2]
+    sides = {"A": args.versus.resolve(), "B": here}
+    child_args, skip = [], False
+    for arg in (argv if argv is not None else sys.argv[1:]):  # the same options, less --versus/--pairs
+        if skip:
+            skip = False
+        elif arg in ("--versus", "--pairs"):
+            skip = True
+        elif not arg.startswith(("--versus=", "--pairs=")):
+            child_args.append(arg)
+    work = Path(tempfile.mkdtemp(prefix="bench-flowprof-versus-"))
+    rounds = []
+    with harness.prefect_server(work / "prefect") as environ:
+        for round_index in range(args.pairs):
+            got = {}
+            for name, checkout in sides.items():
+                env = {**os.environ, **environ, "PYTHONPATH": str(checkout)}
+                done = subprocess.run([sys.executable, __file__, *child_args, "--record-line"], env=env,
+                                      capture_output=True, text=True, cwd=checkout)
+                if done.returncode:
+                    raise SystemExit(f"side {name} failed: {done.stderr[-2000:]}")
+                line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith('{"flow_us"'))
+                got[name] = json.loads(line)  # the record line; Prefect's log lines may follow it
+                print(f"round {round_index} side {name}: flow {[round(x) for x in got[name]['flow_us']]} us/group, "
+                      f"plain {[round(x) for x in got[name]['plain_us']]}, load {got[name]['load1']:.1f}", flush=True)
+            rounds.append(got)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    median = statistics.median
+    rows = []
+    for i, got in enumerate(rounds):
+        a, b = got["A"], got["B"]
+        cells = [i]
+        for side in (a, b):
+            flow, plain = median(side["flow_us"]), median(side["plain_us"]) if side["plain_us"] else float("nan")
+            cells += [f"{flow:.0f}", f"{plain:.0f}", f"{100 * (1 - plain / flow):.0f}%"]
+        same = (a["sha256"] == b["sha256"] and len(a["sha256"]) == 1
+                and set(a["rows"]) == set(b["rows"]) == {args.groups})
+        cells += [f"{median(a['flow_us']) / median(b['flow_us']):.2f}x", "yes" if same else "NO",
+                  b["sha256"][0][:16] if b["sha256"] else "-", f"{a['load1']:.1f}/{b['load1']:.1f}"]
+        rows.append(cells)
+    harness.print_table(["round", "A flow us/group", "A plain", "A orch.", "B flow us/group", "B plain", "B orch.",
+                         "A/B flow", "same rows", "content sha256", "load A/B"], rows,
+                        title=f"warm flow calls, A ({args.versus}) vs B (this checkout), {args.groups} groups, "
+                              f"A,B interleaved; median of each side's warm calls per round")
+    if not all(row[-3] == "yes" for row in rows):
+        raise SystemExit("A and B wrote different rows")
 
 
 if __name__ == "__main__":

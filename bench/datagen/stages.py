@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> None:
                          work / "warm")  # imports, first task runs
                 result["flow_process_cpu_s"] = flow_cpu(server.base_url, args.groups, args.group_size,
                                                         args.chunk_items, tokenizer, work / "flow")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)  # the stores of this run (the rows were hashed already)
     stages, worker = result["stage_cpu_s"], result["worker"]
     measured = sum(stages.values())
     rows = [(stage, f"{cpu:.3f}", f"{100 * cpu / measured:.1f}%", f"{1e6 * cpu / args.groups:.0f}")

@@ -181,10 +181,12 @@ class InferenceClient:
         if n < 1:
             raise ValueError(f"n={n}: ask for at least one completion")
         cap = 1 if self.config.n_kwarg_is_ignored else self.config.max_n_per_request or n
-        sizes = [min(cap, n - start) for start in range(0, n, cap)]
-        offsets = [start for start in range(0, n, cap)]
-        chunks = await asyncio.gather(*(one(k, _reseed(sampling, off)) for k, off in zip(sizes, offsets)))
-        results = [c for chunk in chunks for c in chunk][:n]
+        if n <= cap:  # one request (the common case): awaited in this task, without gather's task (~13 us a call)
+            results = (await one(n, sampling))[:n]
+        else:
+            offsets = range(0, n, cap)
+            chunks = await asyncio.gather(*(one(min(cap, n - off), _reseed(sampling, off)) for off in offsets))
+            results = [c for chunk in chunks for c in chunk][:n]
         while len(results) < n:  # the server ignored or capped n
             got = await one(n - len(results), _reseed(sampling, len(results)))
             if not got:

@@ -71,3 +71,26 @@ def test_created_at_is_utc():
     group = ScoredGroup.model_validate(good(created_at=local))
     assert group.created_at.utcoffset() == timedelta(0)
     assert group.created_at == local
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(masks=[[-100, 2, 3], [-100, 2]]), "masks[1] has 2 entries but tokens[1] has 4"),
+        # masks and logprobs both wrong in sequence 0: masks is named first, as before issue 33's hoisted lookups
+        (dict(masks=[[-100], [-100, 2, 4, 5]], inference_logprobs=[[1.0], [1.0, -0.3, -0.4, -0.5]]),
+         "masks[0] has 1 entries but tokens[0] has 3"),
+        # an earlier sequence's problem is found before a later one's, whatever the field
+        (dict(inference_logprobs=[[1.0, 0.0], [1.0]], masks=[[-100, 2, 3], [-100]]),
+         "inference_logprobs[0] has 2 entries but tokens[0] has 3"),
+        (dict(tokens=[[], [1, 2, 4, 5]], masks=[[], [-100, 2]]), "tokens[0] is empty"),
+        (dict(distill_token_ids=[[[1]] * 2, [[1]] * 4], distill_logprobs=[[[0.0]] * 3, [[0.0]] * 4]),
+         "distill_token_ids[0] has 2 positions but tokens[0] has 3"),
+        (dict(distill_token_ids=[[[1]] * 3, [[1]] * 4], distill_logprobs=[[[0.0]] * 3, [[0.0]] * 2]),
+         "distill_logprobs[1] has 2 positions but tokens[1] has 4"),
+    ],
+)
+def test_per_sequence_shape_errors_say_exactly_what_and_where(overrides, message):
+    with pytest.raises(ValidationError) as error:
+        ScoredGroup.model_validate(good(**overrides))
+    assert message in str(error.value)
