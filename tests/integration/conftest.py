@@ -1,4 +1,4 @@
-"""Fixtures for integration tests that need the one-node SLURM cluster (deployments/slurm/local_cluster.sh)."""
+"""Shared integration fixtures: the one-node SLURM cluster (deployments/slurm/local_cluster.sh) and a tiny policy server."""
 
 from __future__ import annotations
 
@@ -27,3 +27,14 @@ def jobs_named(prefix: str) -> list[str]:
     """Names of queued or running SLURM jobs that start with `prefix`."""
     out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
     return [name for name in out if name.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def policy_server(tmp_path_factory):
+    """A local policy server on a tiny random policy: (base_url, model path); one per test module."""
+    from factory.inference.local_server import start_local_server
+    from factory.inference.tiny_model import make_tiny_policy
+
+    model = make_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny")
+    with start_local_server(model) as handle:
+        yield handle.base_url, str(model)

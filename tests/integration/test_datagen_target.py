@@ -22,16 +22,6 @@ PRODUCER = "intern-bootcamp"
 CURRICULUM = {"enabled": True, "window_items": 2, "min_items": 1}
 
 
-@pytest.fixture(scope="module")
-def policy_server(tmp_path_factory):
-    from factory.inference.local_server import start_local_server
-    from factory.inference.tiny_model import make_tiny_policy
-
-    model = make_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny")
-    with start_local_server(model) as handle:
-        yield handle.base_url, str(model)
-
-
 def params(policy_server, store_root: Path, run_id: str, target: int, **datagen) -> dict:
     base_url, model = policy_server
     return {

@@ -4,41 +4,17 @@ the tiny and the starter tokenizers, and nothing templated until a prompt's ids 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from environments.base import BaseEnv, Item, Rollout
 from factory.inference.types import Completion, SamplingParams
-from tasks.generate import ClientSampler, generate_items, load_tokenizer, prompt_ids
+from tasks.generate import ClientSampler, generate_items, prompt_ids
+from tests.unit.tasks.test_tokenize_same_as_before import CONVERSATIONS as EDGE_CASES
 
-REPO = Path(__file__).resolve().parents[3]
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Compute 99+74. Put the answer in <answer></answer>."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "<answer>4</answer>"}, {"role": "user", "content": "and 3+3?"}],
-    [{"role": "user", "content": ""}],
-    [{"role": "user", "content": "literal <|im_end|> and <|endoftext|> in user text"}],
-    [{"role": "user", "content": "é 🎉 ∑  two  spaces\n\n\ttab"}],
-    [{"role": "user", "content": [{"type": "text", "text": "What is shown?"},
-                                  {"type": "image_url", "image_url": {"url": "x"}}]}],
-    [{"role": "user", "content": "Compute 99+74. Put the answer in <answer></answer>."}],  # a repeat
-] + [[{"role": "user", "content": f"Compute {a}*{a + 3}."}] for a in range(40)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from factory.inference.tiny_model import make_tiny_policy
-
-    path = tmp_path_factory.mktemp("policy") / "tiny"
-    make_tiny_policy(path)
-    return path
-
-
-@pytest.fixture(scope="module", params=["tiny", "starter"])
-def tokenizer(request, tiny):
-    return load_tokenizer(str(tiny if request.param == "tiny" else REPO / "models" / "starter-policy"))
+# the edge cases of test_tokenize_same_as_before, a repeat, and enough plain prompts to make a batch
+CONVERSATIONS = EDGE_CASES + [EDGE_CASES[0]] + [
+    [{"role": "user", "content": f"Compute {a}*{a + 3}."}] for a in range(40)]
 
 
 class CountingTokenizer:

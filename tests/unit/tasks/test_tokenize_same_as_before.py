@@ -74,20 +74,6 @@ def before_tokenize_all(sampler, messages, completions, prompt=None):
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from factory.inference.tiny_model import make_tiny_policy
-
-    path = tmp_path_factory.mktemp("policy") / "tiny"
-    make_tiny_policy(path)
-    return path
-
-
-@pytest.fixture(scope="module", params=["tiny", "starter"])
-def tokenizer(request, tiny):
-    return load_tokenizer(str(tiny if request.param == "tiny" else REPO / "models" / "starter-policy"))
-
-
 @pytest.mark.parametrize("messages", CONVERSATIONS,
                          ids=["one-turn", "multi-turn", "empty", "special", "unicode", "parts"])
 def test_prompt_ids_are_apply_chat_templates_ids(tokenizer, messages):
