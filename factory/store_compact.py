@@ -61,6 +61,7 @@ from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
 from factory.store import (MANIFEST_EVERY_LINES, PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError,
                            _sha256, _write_failure, save_manifest)
+from factory.store_records import Block
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,9 @@ def compact_run(
     start = time.perf_counter()
     removals = _Removals(store, run_id)
     try:
-        for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
+        # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
+        pending = [item for item in store._read_log(run_id).records.items_in_order() if type(item) is not Block]
+        for batch in plan(pending, target_bytes, flush=flush):
             how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
             name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
             if name and progress:
