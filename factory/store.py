@@ -187,6 +187,8 @@ class _LogTail:
         """Lines covered by the run's manifest when it was last read or written."""
         self.checkpoint_changes = 0
         """len(changed) when the manifest was last read or written (a compaction line changes thousands)."""
+        self.index_runs: dict[str, dict[str, Any]] = {}
+        """Compacted files' index columns as runs (factory/index_runs.py), where their compaction record has them."""
 
     def _exploded(self, expanded: dict[str, list[str]]) -> None:
         """The records' blocks became records: their change entries become their members' names, and cursors
@@ -206,6 +208,9 @@ class _LogTail:
         """Apply a compaction record: its members' rows now live in one file, in the order listed."""
         name = data["compact"]
         self.files[name] = (int(data["bytes"]), str(data["sha256"]), int(data["rows"]))
+        summary = data.get("index")
+        if isinstance(summary, dict) and isinstance(summary.get("runs"), list) and summary.get("env") is not None:
+            self.index_runs[name] = summary
         offset = 0
         records, changed, new = self.records, self.changed, object.__new__
         for shard, rows, sha256 in data["members"]:
@@ -335,7 +340,7 @@ def save_manifest(path: Path, log: _LogTail) -> bool:
     """
     log.checkpoint_lines, log.checkpoint_changes = log.lines, len(log.changed)
     meta = {"version": _MANIFEST_VERSION, "offset": log.offset, "lines": log.lines, "tail": log.tail.hex(),
-            "files": log.files, "bad": log.bad}
+            "files": log.files, "bad": log.bad, "index": log.index_runs}
     table = _manifest_table(log).replace_schema_metadata({"manifest": json.dumps(meta)})
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
@@ -382,6 +387,7 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
     loaded.checkpoint_lines = loaded.lines
     loaded.files = {name: tuple(value) for name, value in meta["files"].items()}
     loaded.bad = [tuple(item) for item in meta["bad"]]
+    loaded.index_runs = meta.get("index") or {}
     columns = [table.column(name).to_pylist() for name in _MANIFEST_SCHEMA.names]
     new = object.__new__
     records = loaded.records
@@ -881,6 +887,10 @@ class ShardStore:
             seen.pop(key, None)
             seen[key] = item
         return (log.generation, end), list(seen.values())
+
+    def index_summary(self, run_id: str, file: str) -> dict[str, Any] | None:
+        """The index columns of a compacted file as runs, if its compaction recorded them (factory/index_runs.py)."""
+        return self._read_log(run_id).index_runs.get(file)
 
     def where(self, run_id: str, shard: str) -> tuple[str, int] | None:
         """(name of the file holding a committed shard's rows, first row in it), or None; no record is made."""

@@ -56,6 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.commit_log import encode_line, fsync_dir
+from factory.index_runs import INDEX_COLUMNS, summarize
 from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
@@ -250,6 +251,9 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             "members": [[r.shard, r.rows, r.sha256] for r in batch],
             "committed_at": datetime.now(timezone.utc).isoformat(),
         }
+        summary = _index_summary(tmp, rows)
+        if summary is not None:
+            record["index"] = summary
         with store._locked(run_id):
             current = store._read_log(run_id).records  # not `committed`: a copy of the whole history per file
             changed = [r.shard for r in batch if current.get(r.shard) != r]
@@ -290,6 +294,20 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     report.bytes_out += size
     logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
     return name
+
+
+def _index_summary(path: Path, rows: int) -> dict[str, Any] | None:
+    """The merged file's index columns as runs (factory/index_runs.py), read back from it while it is in the page
+    cache: run-api's start-up then makes them instead of decoding them. None where they change too often, or
+    cannot be read (the file is checked like any other when it is served)."""
+    try:
+        with pq.ParquetFile(path) as parquet:
+            index = parquet.read(columns=INDEX_COLUMNS, use_threads=False)
+    except (OSError, pa.ArrowException) as error:
+        logger.warning("no index summary for %s: %s", path, error)
+        return None
+    summary = summarize(index) if index.num_rows == rows else None
+    return summary
 
 
 def _remove(paths: list[str]) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from factory.index_runs import INDEX_COLUMNS, rows_of, table_of
 from factory.store import CommitRecord, StoreError
 from factory.store_records import Block
 
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
     from factory.store_object import StoreReader
 
 logger = logging.getLogger(__name__)
-
-INDEX_COLUMNS = ["env", "env_id", "policy_version", "group_size"]
 
 
 @dataclass
@@ -148,12 +147,13 @@ class IndexCache:
             return table
         return table.slice(offset, rows)
 
-    def file(self, path: Path | str, offset: int, rows: int) -> pa.Table:
+    def file(self, path: Path | str, offset: int, rows: int, summary: dict[str, Any] | None = None) -> pa.Table:
         """Index columns of the whole file `path`, checked to hold rows `offset..offset + rows` (read once while
-        it is among the last `files` read; a shard's own file is not kept)."""
+        it is among the last `files` read; a shard's own file is not kept). `summary`: the file's index as runs
+        (its compaction record's), made into the columns instead of reading them."""
         table = self._tables.get(path)
         if table is None:
-            table = self._read(path)
+            table = table_of(summary) if summary is not None and rows_of(summary) >= offset + rows else self._read(path)
             if offset or table.num_rows != rows:  # a compacted file: its other shards come next
                 self._tables[path] = table
                 while len(self._tables) > self.files:
@@ -231,6 +231,7 @@ def scan_new_shards(
 
     cursors = _cursors.setdefault(store, {})
     changed_items = getattr(store, "changed_items", None)
+    index_summary = getattr(store, "index_summary", None)
     for run_id in runs:
         paths.clear()
         cursor, retry, retry_blocks = cursors.get(run_id, (None, set(), []))
@@ -258,7 +259,8 @@ def scan_new_shards(
                 try:
                     if size_of(path) is None:
                         raise FileNotFoundError(f"{path} does not exist")
-                    index = indexes.file(path, record.first, record.total)
+                    index = indexes.file(path, record.first, record.total,
+                                         index_summary(run_id, record.file) if index_summary else None)
                 except (OSError, pa.ArrowException) as error:
                     again_blocks.append(record)
                     if str(path) not in reported:
@@ -299,7 +301,8 @@ def scan_new_shards(
                         raise FileNotFoundError(f"{path} does not exist")
                     if size != record.bytes:
                         raise OSError(f"size is {size} bytes, commit log says {record.bytes}")
-                index = indexes.file(path, record.row_offset, record.rows)
+                summary = index_summary(run_id, record.file) if index_summary and record.file else None
+                index = indexes.file(path, record.row_offset, record.rows, summary)
             except (OSError, pa.ArrowException) as error:
                 again.add(name)
                 if str(path) not in reported:

@@ -295,8 +295,9 @@ class BatchService:
                 block = next(pending_blocks, None)
                 path = self.store.shard_path(run_id, file)
                 self._add_block(first_source, run_id, file, path, first, member_rows)
+                summary = getattr(self.store, "index_summary", None)
                 try:
-                    table = indexes.file(path, first, int(member_rows.sum()))
+                    table = indexes.file(path, first, int(member_rows.sum()), summary(run_id, file) if summary else None)
                 except OSError as error:
                     logger.error("indexed compacted file %s is gone or unreadable; its unserved groups are lost: %s", path, error)
                     continue
