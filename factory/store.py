@@ -212,15 +212,15 @@ class _LogTail:
         if isinstance(summary, dict) and isinstance(summary.get("runs"), list) and summary.get("env") is not None:
             self.index_runs[name] = summary
         offset = 0
-        records, changed, new = self.records, self.changed, object.__new__
+        records, new = self.records, object.__new__
         for shard, rows, sha256 in data["members"]:
             record = records.get(shard)
             if record is not None and record.sha256 == sha256 and record.rows == rows:
                 # dataclasses.replace, without its per-field checks (a compaction record moves thousands of shards)
                 moved = new(CommitRecord)
                 moved.__dict__.update(record.__dict__, file=name, row_offset=offset)
-                records[shard] = moved
-                changed.append(shard)
+                records[shard] = moved  # (may turn blocks back into records first, which renews self.changed)
+                self.changed.append(shard)
             else:  # the compactor checks this under the run's lock; a mismatch means a hand-edited log
                 logger.error("compaction record %s names shard %s that the log does not hold as such; left as it is", name, shard)
             offset += rows

@@ -89,6 +89,8 @@ class BatchBody:
         return self.raw is not None or (compress and self.gz is not None)
 
 
+FOLD_MIN_SHARDS = 2
+"""Consecutive sources that a compaction merged, in order, into one file: folded into one block at a start-up."""
 FREEZE_MIN_SOURCES = 10_000
 """Indexed shards from which a start-up freezes what it built (see `_bulk_load`)."""
 
@@ -283,6 +285,8 @@ class BatchService:
             from factory.serve.follower import IndexCache, Locator
 
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
+        if sources and getattr(self.store, "where", None) is not None:
+            sources, blocks = self._fold(sources, blocks)
         ranges: list[tuple[Any, int, Any, int]] = []
         pending_blocks = iter(blocks)
         block = next(pending_blocks, None)
@@ -331,6 +335,53 @@ class BatchService:
         self._enqueue_ranges(ranges, taken)
         logger.info("served state loaded: step %d, %d groups queued from %d shards and %d blocks of compacted files",
                     self.step, self.queue.groups, len(self.sources), len(self._block_firsts))
+
+    def _fold(self, sources: list[tuple[int, str, str, int]], blocks: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Shards indexed one by one (as they were committed) that a compaction has since merged, in the same
+        order, into one file: each run of consecutive source ids becomes one block of the served state (their ids
+        and taken rows unchanged), so that this start-up is the last to look at them one by one. Returns the
+        sources and blocks to load."""
+        import numpy as np
+
+        where = self.store.where
+        folded: list[tuple[int, str, str, int, Any]] = []
+        left: list[tuple[int, str, str, int]] = []
+        run: list[tuple[int, str, str, int]] = []
+        start = 0
+        file = ""
+
+        def close() -> None:
+            if len(run) >= FOLD_MIN_SHARDS:
+                folded.append((run[0][0], run[0][1], file, start, np.array([r[3] for r in run], dtype=np.int64)))
+            else:
+                left.extend(run)
+            run.clear()
+
+        end = -1
+        for source in sources:
+            source_id, run_id, shard, rows = source
+            found = where(run_id, shard)
+            if found is None or found[0] == shard:  # not committed, or in its own file
+                close()
+                left.append(source)
+                continue
+            if not (run and source_id == run[-1][0] + 1 and run_id == run[-1][1] and found[0] == file and found[1] == end):
+                close()
+                file, start = found
+            run.append(source)
+            end = found[1] + rows
+        close()
+        if not folded:
+            return sources, blocks
+        try:
+            self.state.fold_sources(folded)
+        except sqlite3.Error as error:
+            logger.error("cannot fold %d runs of compacted shards into blocks of the served state %s (%s); they are "
+                         "loaded one by one", len(folded), self.state.path, error)
+            return sources, blocks
+        logger.info("folded %d compacted shards into %d blocks of the served state",
+                    sum(len(f[4]) for f in folded), len(folded))
+        return left, self.state.source_blocks()
 
     async def start(self) -> None:
         limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)

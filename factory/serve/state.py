@@ -132,6 +132,20 @@ class ServedState:
                 for first, run_id, file, first_row, rows in self.db.execute(
                     "SELECT first_source, run_id, file, first_row, member_rows FROM source_blocks ORDER BY first_source")]
 
+    def fold_sources(self, blocks: Sequence[tuple[int, str, str, int, Any]]) -> None:
+        """Replace runs of shards indexed one by one by blocks, in one transaction: each (first source id, run_id,
+        file, first row, rows of each member) stands for the sources `first ..` (consecutive ids, the members of
+        a compacted file in its order); their ids, and so the groups taken from them, stay as they are."""
+        import numpy as np
+
+        with self._transaction():
+            for first, run_id, file, first_row, rows in blocks:
+                self.db.execute(
+                    "INSERT INTO source_blocks (first_source, run_id, file, first_row, members, member_rows) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (first, run_id, file, first_row, len(rows), np.ascontiguousarray(rows, dtype="<i8").tobytes()))
+                self.db.execute("DELETE FROM sources WHERE source_id BETWEEN ? AND ?", (first, first + len(rows) - 1))
+
     def _next_source(self) -> int:
         (shards,) = self.db.execute("SELECT COALESCE(MAX(source_id), 0) FROM sources").fetchone()
         (blocks,) = self.db.execute("SELECT COALESCE(MAX(first_source + members - 1), 0) FROM source_blocks").fetchone()

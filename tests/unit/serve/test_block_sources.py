@@ -75,12 +75,14 @@ def test_a_fresh_start_indexes_a_compacted_file_as_one_block_and_serves_each_gro
     compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30)  # and six never indexed: a new block
     checkpoint(ShardStore(tmp_path), "gen")
     served += _life(cfg, None, seen)
-    assert seen["sources"] == 6 and seen["blocks"] == 2
+    assert seen["sources"] == 0 and seen["blocks"] == 3  # the six known one by one folded into a block
     assert len(served) == len(set(served)) == 240 and set(served) == {g.group_id for g in groups}
 
 
 @pytest.mark.parametrize("save_manifest", [False, True])
-def test_shards_indexed_one_by_one_then_compacted_are_not_indexed_again(tmp_path, save_manifest):
+def test_shards_indexed_one_by_one_then_compacted_are_folded_into_a_block(tmp_path, save_manifest):
+    """A service that indexed shards as they came restarts after they were compacted: it folds them into one block
+    (same source ids, so the groups it served stay served) and the restart after that loads the block."""
     store = ShardStore(tmp_path)
     groups = _groups(120)
     _commit(store, groups, range(12))
@@ -91,9 +93,47 @@ def test_shards_indexed_one_by_one_then_compacted_are_not_indexed_again(tmp_path
     compact_run(ShardStore(tmp_path), "gen", target_bytes=1 << 30)
     if save_manifest:
         checkpoint(ShardStore(tmp_path), "gen")
+    served += _life(cfg, 2, seen)
+    assert seen == {"sources": 0, "blocks": 1, "queued": 120 - 32}
+    state = ServedState(cfg.resolved_state_path())
+    assert state.sources() == [] and [(b[0], b[4].tolist()) for b in state.source_blocks()] == [(1, [10] * 12)]
+    state.close()
     served += _life(cfg, None, seen)
-    assert seen["sources"] == 12 and seen["blocks"] == 0 and seen["queued"] == 120 - 32
+    assert seen == {"sources": 0, "blocks": 1, "queued": 120 - 48}
     assert len(served) == len(set(served)) == 120
+
+
+def test_only_runs_of_consecutive_sources_in_file_order_are_folded(tmp_path):
+    """Two runs followed together: each scan indexes one's new shards, then the other's, so a run's members have
+    ids in two runs (1, 2 and 5, 6); after both runs are compacted each run of ids becomes a block (four), and
+    nothing is served twice."""
+    store = ShardStore(tmp_path)
+    groups = _groups(80)
+
+    def commit(chunks: range) -> None:
+        for chunk in chunks:
+            store.commit("gen", "w0", chunk, groups[chunk * 10:(chunk + 1) * 10])
+            store.commit("other", "w0", chunk, groups[40 + chunk * 10:40 + (chunk + 1) * 10])
+
+    cfg = ServeConfig(store_root=str(tmp_path), follow_interval_s=0.05, follow_runs=["gen", "other"], batch_metadata=True)
+    seen: dict = {}
+    commit(range(2))
+    served = _life(cfg, 1, seen)
+    commit(range(2, 4))
+    served += _life(cfg, 1, seen)
+    state = ServedState(cfg.resolved_state_path())
+    assert [s[1] for s in state.sources()] == ["gen", "gen", "other", "other"] * 2
+    state.close()
+    for run in ("gen", "other"):
+        compact_run(ShardStore(tmp_path), run, target_bytes=1 << 30)
+    served += _life(cfg, 1, seen)
+    assert seen["sources"] == 0 and seen["blocks"] == 4
+    state = ServedState(cfg.resolved_state_path())
+    assert [(b[0], b[1], b[3]) for b in state.source_blocks()] == [(1, "gen", 0), (3, "other", 0), (5, "gen", 20),
+                                                                    (7, "other", 20)]
+    state.close()
+    served += _life(cfg, None, seen)
+    assert len(served) == len(set(served)) == 80 and set(served) == {g.group_id for g in groups}
 
 
 def test_the_scan_leaves_out_blocks_the_caller_knows_and_splits_those_it_knows_in_part(tmp_path):
