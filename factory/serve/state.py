@@ -146,6 +146,34 @@ class ServedState:
                     (first, run_id, file, first_row, len(rows), np.ascontiguousarray(rows, dtype="<i8").tobytes()))
                 self.db.execute("DELETE FROM sources WHERE source_id BETWEEN ? AND ?", (first, first + len(rows) - 1))
 
+    def _insert_sources(self, shards: Sequence[tuple[str, str, int | BlockRows, Iterable[str]]],
+                        first: int) -> tuple[list[int], int, int]:
+        """Insert `shards` (see add_sources) with ids from `first` on, skipping those indexed before; returns
+        (their ids, rows inserted, rows meant to be)."""
+        import numpy as np
+
+        at = first
+        ids: list[int] = []
+        rows_of_shards, rows_of_blocks = [], []
+        for run_id, shard, rows, _ in shards:
+            ids.append(at)
+            if isinstance(rows, BlockRows):
+                members = len(rows.rows)
+                rows_of_blocks.append((at, run_id, shard, int(rows.first), members,
+                                       np.ascontiguousarray(rows.rows, dtype="<i8").tobytes()))
+                at += max(1, members)
+            else:
+                rows_of_shards.append((at, run_id, shard, rows))
+                at += 1
+        inserted = self.db.executemany(
+            "INSERT OR IGNORE INTO sources (source_id, run_id, shard, rows) VALUES (?, ?, ?, ?)", rows_of_shards,
+        ).rowcount if rows_of_shards else 0
+        inserted += self.db.executemany(
+            "INSERT OR IGNORE INTO source_blocks (first_source, run_id, file, first_row, members, member_rows) "
+            "VALUES (?, ?, ?, ?, ?, ?)", rows_of_blocks,
+        ).rowcount if rows_of_blocks else 0
+        return ids, inserted, len(rows_of_shards) + len(rows_of_blocks)
+
     def _next_source(self) -> int:
         (shards,) = self.db.execute("SELECT COALESCE(MAX(source_id), 0) FROM sources").fetchone()
         (blocks,) = self.db.execute("SELECT COALESCE(MAX(first_source + members - 1), 0) FROM source_blocks").fetchone()
@@ -166,38 +194,32 @@ class ServedState:
             self.db.executemany(
                 "INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for _, _, _, ids in shards for g in ids]
             )
-            at = self._next_source()
-            ids: list[int] = []
-            rows_of_shards, rows_of_blocks = [], []
-            for run_id, shard, rows, _ in shards:
-                ids.append(at)
+            first = self._next_source()
+            self.db.execute("SAVEPOINT fresh")
+            ids, inserted, wanted = self._insert_sources(shards, first)
+            if inserted == wanted:  # none was indexed before (one statement per table, not one query per shard)
+                self.db.execute("RELEASE fresh")
+                return ids
+            # Some were indexed before: they keep their ids, and the others take the next ones, one by one.
+            self.db.execute("ROLLBACK TO fresh")
+            self.db.execute("RELEASE fresh")
+            ids = []
+            at = first
+            for entry in shards:
+                run_id, shard, rows, _ = entry
                 if isinstance(rows, BlockRows):
-                    import numpy as np
-
-                    members = len(rows.rows)
-                    rows_of_blocks.append((at, run_id, shard, int(rows.first), members,
-                                           np.ascontiguousarray(rows.rows, dtype="<i8").tobytes()))
-                    at += max(1, members)
+                    found = self.db.execute(
+                        "SELECT first_source FROM source_blocks WHERE run_id = ? AND file = ? AND first_row = ?",
+                        (run_id, shard, int(rows.first))).fetchone()
                 else:
-                    rows_of_shards.append((at, run_id, shard, rows))
-                    at += 1
-            inserted = self.db.executemany(
-                "INSERT OR IGNORE INTO sources (source_id, run_id, shard, rows) VALUES (?, ?, ?, ?)", rows_of_shards,
-            ).rowcount if rows_of_shards else 0
-            inserted_blocks = self.db.executemany(
-                "INSERT OR IGNORE INTO source_blocks (first_source, run_id, file, first_row, members, member_rows) "
-                "VALUES (?, ?, ?, ?, ?, ?)", rows_of_blocks,
-            ).rowcount if rows_of_blocks else 0
-            if inserted == len(rows_of_shards) and inserted_blocks == len(rows_of_blocks):
-                return ids  # none was indexed before (one statement per table, not one query per shard)
-            ids = [
-                int(self.db.execute(
-                    "SELECT first_source FROM source_blocks WHERE run_id = ? AND file = ? AND first_row = ?",
-                    (run_id, shard, int(rows.first))).fetchone()[0])
-                if isinstance(rows, BlockRows) else
-                int(self.db.execute("SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()[0])
-                for run_id, shard, rows, _ in shards
-            ]
+                    found = self.db.execute(
+                        "SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()
+                if found is not None:
+                    ids.append(int(found[0]))
+                    continue
+                self._insert_sources([entry], at)
+                ids.append(at)
+                at += max(1, len(rows.rows)) if isinstance(rows, BlockRows) else 1
         return ids
 
     # ---- posted group ids (a client retrying after a crash must not add a group twice) ----
