@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from environments.groups import ScoredGroup, describe_validation_error
 from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
-from factory.store_records import MEMBER_FIELDS, Block, Records, int64_values
+from factory.store_records import MEMBER_FIELDS, Block, Records, column, int64_values, table as make_table
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def _manifest_table(log: _LogTail) -> pa.Table:
 
     def flush_loose() -> None:
         if loose["shard"]:
-            pieces.append(pa.Table.from_pydict(loose, schema=_MEMBER_SCHEMA))
+            pieces.append(make_table(loose, _MEMBER_SCHEMA))
             for values in loose.values():
                 values.clear()
 
@@ -327,8 +327,8 @@ def _manifest_table(log: _LogTail) -> pa.Table:
     members = pa.concat_tables(pieces) if pieces else _MEMBER_SCHEMA.empty_table()
     values = pa.StructArray.from_arrays([members.column(name).combine_chunks() for name in MEMBER_FIELDS],
                                         fields=list(_MEMBER_SCHEMA))
-    lists = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
-    return pa.Table.from_pydict({**columns, "members": lists}, schema=_MANIFEST_SCHEMA_V2)
+    lists = pa.ListArray.from_arrays(column(offsets, pa.int32()), values)
+    return pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists], schema=_MANIFEST_SCHEMA_V2)
 
 
 def save_manifest(path: Path, log: _LogTail) -> bool:
