@@ -48,7 +48,8 @@ from pydantic import ValidationError
 from environments.groups import ScoredGroup, describe_validation_error
 from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
-from factory.store_records import MEMBER_FIELDS, Block, Records, column, int64_values, table as make_table
+from factory.store_records import MEMBER_FIELDS, Block, Records, chunk_ranges, column, int64_values
+from factory.store_records import table as make_table
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ _MEMBER_SCHEMA = pa.schema([_MANIFEST_SCHEMA.field(name) for name in MEMBER_FIEL
 _MANIFEST_SCHEMA_V2 = _MANIFEST_SCHEMA.append(pa.field("members", pa.list_(pa.struct(list(_MEMBER_SCHEMA)))))
 
 
-def _manifest_table(log: _LogTail) -> pa.Table:
+def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None]:
     """The manifest's rows (see _MANIFEST_VERSION): records as they are, runs of members of a merged file (blocks
     loaded as such, or records that a compaction moved since) as one row each."""
     columns: dict[str, list[Any]] = {name: [] for name in _MANIFEST_SCHEMA.names}
@@ -328,7 +329,8 @@ def _manifest_table(log: _LogTail) -> pa.Table:
     values = pa.StructArray.from_arrays([members.column(name).combine_chunks() for name in MEMBER_FIELDS],
                                         fields=list(_MEMBER_SCHEMA))
     lists = pa.ListArray.from_arrays(column(offsets, pa.int32()), values)
-    return pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists], schema=_MANIFEST_SCHEMA_V2)
+    table = pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists], schema=_MANIFEST_SCHEMA_V2)
+    return table, chunk_ranges(members.column("shard"))
 
 
 def save_manifest(path: Path, log: _LogTail) -> bool:
@@ -339,9 +341,11 @@ def save_manifest(path: Path, log: _LogTail) -> bool:
     manifest ignored. Written under a temporary name and renamed; failures (a read-only store) are ignored.
     """
     log.checkpoint_lines, log.checkpoint_changes = log.lines, len(log.changed)
+    table, chunks = _manifest_table(log)
     meta = {"version": _MANIFEST_VERSION, "offset": log.offset, "lines": log.lines, "tail": log.tail.hex(),
-            "files": log.files, "bad": log.bad, "index": log.index_runs}
-    table = _manifest_table(log).replace_schema_metadata({"manifest": json.dumps(meta)})
+            "files": log.files, "bad": log.bad, "index": log.index_runs,
+            "chunks": {"regular": chunks is not None, "ranges": chunks or {}}}
+    table = table.replace_schema_metadata({"manifest": json.dumps(meta)})
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         with open(tmp, "wb") as handle:
@@ -403,6 +407,10 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
         (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
          fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"]) = (
             shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset)
+    chunks = meta.get("chunks")
+    if records.has_blocks and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved with them
+        records.set_chunk_ranges({p: (int(lo), int(hi)) for p, (lo, hi) in chunks["ranges"].items()}
+                                 if chunks.get("regular") else None)
     loaded.rows = sum(columns[_MANIFEST_SCHEMA.names.index("rows")])
     loaded.changed = list(items)
     loaded.checkpoint_changes = len(loaded.changed)

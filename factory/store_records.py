@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 MEMBER_FIELDS = ["shard", "run_id", "producer", "chunk", "rows", "bytes", "sha256", "committed_at"]
 """Columns of a block's members (the fields of a commit line)."""
-_SHARD_NAME = re.compile(r"^(.+)-(\d{8,})\.parquet$")
+_SHARD_NAME = re.compile(r"^(?P<producer>.+)-(?P<chunk>\d{8,})\.parquet$")
 
 
 def int64_values(column: Any) -> np.ndarray:
@@ -58,6 +58,27 @@ def column(values: list[Any], type_: pa.DataType) -> pa.Array:
 def table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
     """`pa.Table.from_pydict(columns, schema=schema)` for int64 and string columns, without importing pandas."""
     return pa.Table.from_arrays([column(columns[field.name], field.type) for field in schema], schema=schema)
+
+
+def chunk_ranges(names: pa.ChunkedArray) -> dict[str, tuple[int, int]] | None:
+    """Per producer, the lowest and highest chunk of shard names `<producer>-<chunk>.parquet`; None if a name is
+    not of that form. A name whose (producer, chunk) is outside these is none of `names` (see `Records._may_hold`)."""
+    import pyarrow.compute as pc
+
+    parts = pc.extract_regex(names, _SHARD_NAME.pattern)
+    if parts.null_count:
+        return None
+    parts = parts.combine_chunks()
+    if not len(parts):
+        return {}
+    producers = parts.field(0).dictionary_encode()
+    codes = int64_values(producers.indices)
+    chunks = int64_values(pc.cast(parts.field(1), pa.int64()))
+    lows = np.full(len(producers.dictionary), np.iinfo(np.int64).max, dtype=np.int64)
+    highs = np.full(len(producers.dictionary), -1, dtype=np.int64)
+    np.minimum.at(lows, codes, chunks)
+    np.maximum.at(highs, codes, chunks)
+    return {p: (int(lo), int(hi)) for p, lo, hi in zip(producers.dictionary.to_pylist(), lows, highs)}
 
 
 class Block:
@@ -151,23 +172,15 @@ class Records:
         return span is not None and span[0] <= int(match.group(2)) <= span[1]
 
     def _chunk_ranges(self) -> dict[str, tuple[int, int]]:
-        import pyarrow.compute as pc
-
         blocks = [item for item in self._items.values() if type(item) is Block]
-        names = pa.chunked_array([chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string())
-        parts = pc.extract_regex(names, r"^(?P<p>.+)-(?P<c>\d{8,})\.parquet$")
-        if parts.null_count:
-            self._irregular = True
-            return {}
-        parts = parts.combine_chunks()
-        producers = parts.field("p").dictionary_encode()
-        codes = int64_values(producers.indices)
-        chunks = int64_values(pc.cast(parts.field("c"), pa.int64()))
-        lows = np.full(len(producers.dictionary), np.iinfo(np.int64).max, dtype=np.int64)
-        highs = np.full(len(producers.dictionary), -1, dtype=np.int64)
-        np.minimum.at(lows, codes, chunks)
-        np.maximum.at(highs, codes, chunks)
-        return {p: (int(lo), int(hi)) for p, lo, hi in zip(producers.dictionary.to_pylist(), lows, highs)}
+        ranges = chunk_ranges(pa.chunked_array(
+            [chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string()))
+        self._irregular = ranges is None
+        return ranges or {}
+
+    def set_chunk_ranges(self, ranges: dict[str, tuple[int, int]] | None) -> None:
+        """What `chunk_ranges` says of the blocks' names, known already (saved with the manifest)."""
+        self._ranges, self._irregular = (ranges or {}), ranges is None
 
     def _in_blocks(self, name: str) -> tuple[Block, int] | None:
         if not self._blocks or not self._may_hold(name):

@@ -153,3 +153,25 @@ def test_small_runs_save_and_load(tmp_path, shards):
     if shards:
         checkpoint(store, "gen")
     _same_answers(ShardStore(tmp_path), _from_log(tmp_path))
+
+
+def test_the_manifest_carries_the_blocks_chunk_ranges_and_saving_it_does_not_import_pandas(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    store = _store(tmp_path, 8, producers=("w0", "w1"))
+    compact_run(store, "gen", target_bytes=1 << 30)
+    script = textwrap.dedent("""
+        import sys
+        from factory.store import ShardStore, save_manifest
+        store = ShardStore(sys.argv[1])
+        assert save_manifest(store.manifest_path("gen"), store._read_log("gen"))
+        print("pandas" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
+    records = ShardStore(tmp_path)._read_log("gen").records
+    assert records.has_blocks and records._ranges == {"w0": (0, 7), "w1": (0, 7)} and not records._irregular
+    assert "w0-00000008.parquet" not in records and "w2-00000001.parquet" not in records and records._index is None
+    assert "w1-00000007.parquet" in records
