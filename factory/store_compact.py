@@ -5,7 +5,10 @@ seconds each); readers, followers and filesystems pay per file. `compact_run`
 merges committed shards, in commit order, into files of about `target_bytes`
 and appends one compaction record per merged file to the run's commit log:
 
-    {"compact": "<file>", "members": [[shard, rows, sha256], ...], "rows", "bytes", "sha256", ...}
+    {"compact": "<file>", "members": [[shard, rows, sha256], ...], "rows", "bytes", "sha256", "index", ...}
+
+("index", where the merged file's rows come in long enough runs: its index columns as runs of equal rows,
+factory/index_runs.py, which run-api's start-up makes into the columns instead of reading them.)
 
 The shards keep their names and their row numbers: a member's rows are the
 rows `row_offset .. row_offset + rows` of the merged file, in the order of

@@ -452,8 +452,12 @@ class BatchService:
         for shard in shards:
             if isinstance(shard, NewBlock):
                 key = (shard.run_id, f"\x00{shard.file}\x00{shard.first}")
-                if covered(self._block_ranges, shard.run_id, shard.file, shard.first, shard.first + shard.rows) is not False:
-                    continue  # the follower was given the blocks known when it started; they are all known now
+                known = covered(self._block_ranges, shard.run_id, shard.file, shard.first, shard.first + shard.rows)
+                if known is None:  # the follower splits such blocks into their members; not one it was given
+                    logger.error("rows %d..%d of %s/%s are in part indexed already; left out of this scan",
+                                 shard.first, shard.first + shard.rows, shard.run_id, shard.file)
+                if known is not False:
+                    continue
             else:
                 key = (shard.run_id, shard.shard)
                 if key in self._known:
@@ -992,7 +996,7 @@ class BatchService:
         if path is not None:
             return path, row + self.row_offsets.get(source, 0)
         at = bisect.bisect_right(self._block_firsts, source) - 1
-        if at < 0:
+        if at < 0 or source - self._block_firsts[at] >= len(self._block_places[at][1]):
             raise KeyError(f"source {source} is not indexed")
         path, starts = self._block_places[at]
         return path, int(starts[source - self._block_firsts[at]]) + row
