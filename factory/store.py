@@ -48,6 +48,8 @@ from pydantic import ValidationError
 from environments.groups import ScoredGroup, describe_validation_error
 from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
+from factory.store_records import MEMBER_FIELDS, Block, Records, chunk_ranges, column, int64_values
+from factory.store_records import table as make_table
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +168,15 @@ class _LogTail:
     def __init__(self, inode: int) -> None:
         self.inode, self.offset, self.lines = inode, 0, 0
         self.generation = next(_GENERATIONS)
-        self.records: dict[str, CommitRecord] = {}
+        self.records = Records()
+        """Current records by shard (a mapping; members of compacted files loaded from a manifest stay blocks)."""
+        self.records.on_explode = self._exploded
         self.files: dict[str, tuple[int, str, int]] = {}
         """Compacted files: name -> (bytes, sha256, rows). A shard not compacted is its own file (its record says)."""
         self.changed: list[str] = []
         """Shards in the order their record was added or changed (committed, replaced, compacted): followers
-        read what is new from their last position in it instead of walking the whole history."""
+        read what is new from their last position in it instead of walking the whole history. A block of
+        compacted members loaded from a manifest is one entry (its `Block.key`)."""
         self.rows = 0
         self.bad: list[tuple[int, str, bool]] = []
         """(line number, why, whether a whole record was salvaged from it) of each damaged line."""
@@ -183,6 +188,14 @@ class _LogTail:
         """Lines covered by the run's manifest when it was last read or written."""
         self.checkpoint_changes = 0
         """len(changed) when the manifest was last read or written (a compaction line changes thousands)."""
+        self.index_runs: dict[str, dict[str, Any]] = {}
+        """Compacted files' index columns as runs (factory/index_runs.py), where their compaction record has them."""
+
+    def _exploded(self, expanded: dict[str, list[str]]) -> None:
+        """The records' blocks became records: their change entries become their members' names, and cursors
+        into the old list are void (a follower holding one gets every record again, and skips what it knows)."""
+        self.changed = [name for entry in self.changed for name in expanded.get(entry, (entry,))]
+        self.generation = next(_GENERATIONS)
 
     def put(self, record: CommitRecord) -> None:
         old = self.records.pop(record.shard, None)
@@ -196,16 +209,19 @@ class _LogTail:
         """Apply a compaction record: its members' rows now live in one file, in the order listed."""
         name = data["compact"]
         self.files[name] = (int(data["bytes"]), str(data["sha256"]), int(data["rows"]))
+        summary = data.get("index")
+        if isinstance(summary, dict) and isinstance(summary.get("runs"), list) and summary.get("env") is not None:
+            self.index_runs[name] = summary
         offset = 0
-        records, changed, new = self.records, self.changed, object.__new__
+        records, new = self.records, object.__new__
         for shard, rows, sha256 in data["members"]:
             record = records.get(shard)
             if record is not None and record.sha256 == sha256 and record.rows == rows:
                 # dataclasses.replace, without its per-field checks (a compaction record moves thousands of shards)
                 moved = new(CommitRecord)
                 moved.__dict__.update(record.__dict__, file=name, row_offset=offset)
-                records[shard] = moved
-                changed.append(shard)
+                records[shard] = moved  # (may turn blocks back into records first, which renews self.changed)
+                self.changed.append(shard)
             else:  # the compactor checks this under the run's lock; a mismatch means a hand-edited log
                 logger.error("compaction record %s names shard %s that the log does not hold as such; left as it is", name, shard)
             offset += rows
@@ -222,15 +238,24 @@ class _LogTail:
     def live(self) -> list[tuple[str, int, str, list[tuple[int, int]] | None]]:
         """Live files in commit order: (name, bytes, sha256, row ranges to read, or None for all of them)."""
         order: dict[str, list[tuple[int, int]]] = {}
-        for record in self.records.values():
-            order.setdefault(record.physical, []).append((record.row_offset, record.row_offset + record.rows))
+        for item in self.records.items_in_order():
+            if type(item) is Block:
+                order.setdefault(item.file, []).append((item.first, item.first + item.total))
+            else:
+                order.setdefault(item.physical, []).append((item.row_offset, item.row_offset + item.rows))
         result = []
         for name, ranges in order.items():
             if name in self.files:
                 ranges.sort()
-                whole = ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+                joined = [ranges[0]]
+                for start, stop in ranges[1:]:  # adjacent ranges as one (members one by one, or blocks of them)
+                    if start == joined[-1][1]:
+                        joined[-1] = (joined[-1][0], stop)
+                    else:
+                        joined.append((start, stop))
                 size, sha256, total = self.files[name]
-                result.append((name, size, sha256, None if whole and ranges[-1][1] == total else ranges))
+                whole = len(joined) == 1 and joined[0] == (0, total)
+                result.append((name, size, sha256, None if whole else joined))
             else:
                 record = self.records[name]
                 result.append((name, record.bytes, record.sha256, None))
@@ -241,12 +266,71 @@ MANIFEST_NAME = "manifest.arrow"
 MANIFEST_EVERY_LINES = 1000
 """A manifest is rewritten once the log has grown by this many lines and by a quarter since the last one:
 its cost stays proportional to the log's growth."""
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2
+"""1: a row per record. 2: a row per record not compacted, and a row per run of consecutive members of one merged
+file (`shard` empty, `file`, `row_offset` of the first member, `rows` in all), its members in the `members` list."""
 _MANIFEST_SCHEMA = pa.schema([
     ("shard", pa.string()), ("run_id", pa.string()), ("producer", pa.string()), ("chunk", pa.int64()),
     ("rows", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string()), ("committed_at", pa.string()),
     ("file", pa.string()), ("row_offset", pa.int64()),
 ])
+_MEMBER_SCHEMA = pa.schema([_MANIFEST_SCHEMA.field(name) for name in MEMBER_FIELDS])
+_MANIFEST_SCHEMA_V2 = _MANIFEST_SCHEMA.append(pa.field("members", pa.list_(pa.struct(list(_MEMBER_SCHEMA)))))
+
+
+def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None]:
+    """The manifest's rows (see _MANIFEST_VERSION): records as they are, runs of members of a merged file (blocks
+    loaded as such, or records that a compaction moved since) as one row each."""
+    columns: dict[str, list[Any]] = {name: [] for name in _MANIFEST_SCHEMA.names}
+    offsets = [0]
+    pieces: list[pa.Table] = []
+    loose: dict[str, list[Any]] = {name: [] for name in MEMBER_FIELDS}
+    run: list[CommitRecord] = []
+
+    def row(values: dict[str, Any], members: int) -> None:
+        for name in _MANIFEST_SCHEMA.names:
+            columns[name].append(values[name])
+        offsets.append(offsets[-1] + members)
+
+    def block_row(file: str, first: int, rows: int, members: int) -> None:
+        row({"shard": "", "run_id": "", "producer": "", "chunk": 0, "rows": rows, "bytes": 0, "sha256": "",
+             "committed_at": "", "file": file, "row_offset": first}, members)
+
+    def flush_run() -> None:
+        if run:
+            for name in MEMBER_FIELDS:
+                loose[name].extend(getattr(r, name) for r in run)
+            block_row(run[0].file, run[0].row_offset, sum(r.rows for r in run), len(run))
+            run.clear()
+
+    def flush_loose() -> None:
+        if loose["shard"]:
+            pieces.append(make_table(loose, _MEMBER_SCHEMA))
+            for values in loose.values():
+                values.clear()
+
+    for item in log.records.items_in_order():
+        if type(item) is Block:
+            flush_run()
+            flush_loose()
+            pieces.append(item.members)
+            block_row(item.file, item.first, item.total, len(item))
+        elif item.file:
+            last = run[-1] if run else None
+            if last is not None and (last.file != item.file or last.row_offset + last.rows != item.row_offset):
+                flush_run()
+            run.append(item)
+        else:
+            flush_run()
+            row(asdict(item), 0)
+    flush_run()
+    flush_loose()
+    members = pa.concat_tables(pieces) if pieces else _MEMBER_SCHEMA.empty_table()
+    values = pa.StructArray.from_arrays([members.column(name).combine_chunks() for name in MEMBER_FIELDS],
+                                        fields=list(_MEMBER_SCHEMA))
+    lists = pa.ListArray.from_arrays(column(offsets, pa.int32()), values)
+    table = pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists], schema=_MANIFEST_SCHEMA_V2)
+    return table, chunk_ranges(members.column("shard"))
 
 
 def save_manifest(path: Path, log: _LogTail) -> bool:
@@ -257,11 +341,11 @@ def save_manifest(path: Path, log: _LogTail) -> bool:
     manifest ignored. Written under a temporary name and renamed; failures (a read-only store) are ignored.
     """
     log.checkpoint_lines, log.checkpoint_changes = log.lines, len(log.changed)
-    records = list(log.records.values())
-    columns = {name: [getattr(r, name) for r in records] for name in _MANIFEST_SCHEMA.names}
+    table, chunks = _manifest_table(log)
     meta = {"version": _MANIFEST_VERSION, "offset": log.offset, "lines": log.lines, "tail": log.tail.hex(),
-            "files": log.files, "bad": log.bad}
-    table = pa.Table.from_pydict(columns, schema=_MANIFEST_SCHEMA).replace_schema_metadata({"manifest": json.dumps(meta)})
+            "files": log.files, "bad": log.bad, "index": log.index_runs,
+            "chunks": {"regular": chunks is not None, "ranges": chunks or {}}}
+    table = table.replace_schema_metadata({"manifest": json.dumps(meta)})
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         with open(tmp, "wb") as handle:
@@ -285,12 +369,18 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
             table = pa.ipc.open_file(source).read_all()
         meta = json.loads(table.schema.metadata[b"manifest"])
         offset, tail = int(meta["offset"]), bytes.fromhex(meta["tail"])
-        if meta.get("version") != _MANIFEST_VERSION or offset > stat.st_size or len(tail) > offset:
+        version = meta.get("version")
+        if version not in (1, _MANIFEST_VERSION) or offset > stat.st_size or len(tail) > offset:
             return None
         with open(log_path, "rb") as log:
             log.seek(offset - len(tail))
             if log.read(len(tail)) != tail:
                 return None
+        members = None
+        if version == 2:
+            lists = table.column("members").combine_chunks()
+            bounds = int64_values(lists.offsets).tolist()
+            members = pa.Table.from_arrays(lists.values.flatten(), names=MEMBER_FIELDS)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as error:
@@ -301,18 +391,28 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
     loaded.checkpoint_lines = loaded.lines
     loaded.files = {name: tuple(value) for name, value in meta["files"].items()}
     loaded.bad = [tuple(item) for item in meta["bad"]]
+    loaded.index_runs = meta.get("index") or {}
     columns = [table.column(name).to_pylist() for name in _MANIFEST_SCHEMA.names]
     new = object.__new__
-    records = {}
-    for shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset in zip(*columns):
+    records = loaded.records
+    items = records._items
+    for at_row, (shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset) in enumerate(zip(*columns)):
+        if not shard and members is not None:  # a block of a merged file's members: one object, not one per member
+            low = bounds[at_row]
+            records.add_block(Block(file, row_offset, members.slice(low, bounds[at_row + 1] - low)))
+            continue
         # CommitRecord(...) without the frozen dataclass's per-field object.__setattr__ (~3x faster per record)
-        record = records[shard] = new(CommitRecord)
+        record = items[shard] = new(CommitRecord)
         fields = record.__dict__
         (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
          fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"]) = (
             shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset)
-    rows = sum(columns[_MANIFEST_SCHEMA.names.index("rows")])
-    loaded.records, loaded.rows, loaded.changed = records, rows, list(records)
+    chunks = meta.get("chunks")
+    if records.has_blocks and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved with them
+        records.set_chunk_ranges({p: (int(lo), int(hi)) for p, (lo, hi) in chunks["ranges"].items()}
+                                 if chunks.get("regular") else None)
+    loaded.rows = sum(columns[_MANIFEST_SCHEMA.names.index("rows")])
+    loaded.changed = list(items)
     loaded.checkpoint_changes = len(loaded.changed)
     return loaded
 
@@ -756,7 +856,7 @@ class ShardStore:
         new process starts from the run's manifest (a checkpoint of the parsed log) plus the log after it.
         A compacted shard's record names the file holding its rows (`file`, `row_offset`).
         """
-        return dict(self._read_log(run_id).records)
+        return self._read_log(run_id).records.as_dict()
 
     def record(self, run_id: str, shard: str) -> CommitRecord | None:
         """The commit record of one shard, or None (reads only the log's new end; no copy of the history)."""
@@ -769,16 +869,40 @@ class ShardStore:
         A follower that keeps the cursor costs what is new, not the history. After the log was re-read from
         its start (rewritten by repair) an old cursor yields every record again.
         """
+        cursor, items = self.changed_items(run_id, cursor)
+        records: list[CommitRecord] = []
+        for item in items:
+            if type(item) is Block:
+                records.extend(item.records())
+            else:
+                records.append(item)
+        return cursor, records
+
+    def changed_items(self, run_id: str, cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int], list[Any]]:
+        """`changes`, with the members of a compacted file that the run's manifest holds as a block given as that
+        `Block` (file, first row, member columns), not as a record each: a follower indexes it whole."""
         log = self._read_log(run_id)
         end = len(log.changed)
         since = cursor[1] if cursor is not None and cursor[0] == log.generation and cursor[1] <= end else 0
-        seen: dict[str, CommitRecord] = {}
-        for shard in log.changed[since:end]:
-            record = log.records.get(shard)
-            if record is not None:
-                seen.pop(shard, None)
-                seen[shard] = record
+        items = log.records._items
+        seen: dict[str, Any] = {}
+        for key in log.changed[since:end]:
+            item = items.get(key)
+            if item is None:
+                item = log.records.get(key)
+                if item is None:
+                    continue
+            seen.pop(key, None)
+            seen[key] = item
         return (log.generation, end), list(seen.values())
+
+    def index_summary(self, run_id: str, file: str) -> dict[str, Any] | None:
+        """The index columns of a compacted file as runs, if its compaction recorded them (factory/index_runs.py)."""
+        return self._read_log(run_id).index_runs.get(file)
+
+    def where(self, run_id: str, shard: str) -> tuple[str, int] | None:
+        """(name of the file holding a committed shard's rows, first row in it), or None; no record is made."""
+        return self._read_log(run_id).records.where(shard)
 
     def locate(self, run_id: str, shard: str) -> tuple[Path, int, int] | None:
         """(file, first row, rows) holding a committed shard's rows, following compaction; None if not committed."""

@@ -5,7 +5,10 @@ seconds each); readers, followers and filesystems pay per file. `compact_run`
 merges committed shards, in commit order, into files of about `target_bytes`
 and appends one compaction record per merged file to the run's commit log:
 
-    {"compact": "<file>", "members": [[shard, rows, sha256], ...], "rows", "bytes", "sha256", ...}
+    {"compact": "<file>", "members": [[shard, rows, sha256], ...], "rows", "bytes", "sha256", "index", ...}
+
+("index", where the merged file's rows come in long enough runs: its index columns as runs of equal rows,
+factory/index_runs.py, which run-api's start-up makes into the columns instead of reading them.)
 
 The shards keep their names and their row numbers: a member's rows are the
 rows `row_offset .. row_offset + rows` of the merged file, in the order of
@@ -56,11 +59,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.commit_log import encode_line, fsync_dir
+from factory.index_runs import INDEX_COLUMNS, summarize
 from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
 from factory.store import (MANIFEST_EVERY_LINES, PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError,
                            _sha256, _write_failure, save_manifest)
+from factory.store_records import Block
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +183,9 @@ def compact_run(
     start = time.perf_counter()
     removals = _Removals(store, run_id)
     try:
-        for batch in plan(list(store.committed(run_id).values()), target_bytes, flush=flush):
+        # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
+        pending = [item for item in store._read_log(run_id).records.items_in_order() if type(item) is not Block]
+        for batch in plan(pending, target_bytes, flush=flush):
             how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
             name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
             if name and progress:
@@ -247,6 +254,9 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
             "members": [[r.shard, r.rows, r.sha256] for r in batch],
             "committed_at": datetime.now(timezone.utc).isoformat(),
         }
+        summary = _index_summary(tmp, rows)
+        if summary is not None:
+            record["index"] = summary
         with store._locked(run_id):
             current = store._read_log(run_id).records  # not `committed`: a copy of the whole history per file
             changed = [r.shard for r in batch if current.get(r.shard) != r]
@@ -287,6 +297,20 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
     report.bytes_out += size
     logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
     return name
+
+
+def _index_summary(path: Path, rows: int) -> dict[str, Any] | None:
+    """The merged file's index columns as runs (factory/index_runs.py), read back from it while it is in the page
+    cache: run-api's start-up then makes them instead of decoding them. None where they change too often, or
+    cannot be read (the file is checked like any other when it is served)."""
+    try:
+        with pq.ParquetFile(path) as parquet:
+            index = parquet.read(columns=INDEX_COLUMNS, use_threads=False)
+    except (OSError, pa.ArrowException) as error:
+        logger.warning("no index summary for %s: %s", path, error)
+        return None
+    summary = summarize(index) if index.num_rows == rows else None
+    return summary
 
 
 def _remove(paths: list[str]) -> None:

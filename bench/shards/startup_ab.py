@@ -7,8 +7,10 @@ one-transaction-per-scan change measured as a ratio on a noisy machine.
 
 The store is built and compacted once with this tree's bench.shards.scale; every start-up runs in a fresh
 process with PYTHONPATH set to the tree under test and an empty served state (every shard gets indexed).
+The run's manifest (a cache of the parsed log, whose format a tree may change) is saved by each tree once, from
+the log, and put in place before each of that tree's start-ups: each tree starts from its own checkpoint.
 `--restart` also measures, after each fresh start-up, a restart from a served state in which every shard is
-indexed and 2,000 groups are taken (made once by tree B, copied for each start-up).
+indexed and 2,000 groups are taken (made once by each tree, copied for each of its start-ups).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 _STARTUP = """
-import asyncio, json, sys, time
+import asyncio, json, resource, sys, time
 from factory.serve.config import ServeConfig
 from factory.serve.service import BatchService
 
@@ -37,10 +39,28 @@ async def main():
     took = time.perf_counter() - begin
     queued = service.queue.groups
     await service.stop()
-    print(json.dumps({"startup_s": took, "queued": queued}))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"startup_s": took, "queued": queued, "peak_rss_mb": rss}))
 
 asyncio.run(main())
 """
+
+
+_MANIFEST = """
+import sys
+from pathlib import Path
+from factory.store import ShardStore, save_manifest
+store = ShardStore(sys.argv[1])
+store.manifest_path("gen").unlink(missing_ok=True)
+assert save_manifest(store.manifest_path("gen"), store._read_log("gen"))
+"""
+
+
+def save_manifest_with(tree: str, root: Path, keep: Path) -> None:
+    """The run's manifest as `tree` saves it from the whole log, kept at `keep`."""
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", _MANIFEST, str(root)], env=env, check=True, cwd=tree)
+    shutil.copy(root / "gen" / "manifest.arrow", keep)
 
 
 def startup(tree: str, root: Path, state: Path) -> dict:
@@ -76,31 +96,44 @@ def main(argv: list[str] | None = None) -> None:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{state}{suffix}").unlink(missing_ok=True)
 
-    indexed = scratch / "state-indexed.db"
+    manifests = {label: scratch / f"manifest-{label}.arrow" for label in ("A", "B")}
+    for label, tree in (("A", args.a), ("B", args.b)):
+        save_manifest_with(tree, root, manifests[label])
+
+    def use_manifest(label: str) -> None:
+        shutil.copy(manifests[label], root / "gen" / "manifest.arrow")
+
+    indexed = {label: scratch / f"state-indexed-{label}.db" for label in ("A", "B")}
     if args.restart:
-        remove(indexed)
-        startup(args.b, root, indexed)
-        db = sqlite3.connect(indexed)
-        with db:  # 2,000 groups taken, as a served life leaves them (one in 7 shards' rows)
-            db.executemany("INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, 0)",
-                           [(1 + i // 10 * 7, i % 10, i // 256, i % 256) for i in range(2000)])
-        db.close()
+        for label, tree in (("A", args.a), ("B", args.b)):
+            remove(indexed[label])
+            use_manifest(label)
+            startup(tree, root, indexed[label])
+            db = sqlite3.connect(indexed[label])
+            with db:  # 2,000 groups taken, as a served life leaves them (one in 7 shards' rows)
+                db.executemany("INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, 0)",
+                               [(1 + i // 10 * 7, i % 10, i // 256, i % 256) for i in range(2000)])
+            db.close()
     times: dict[str, list[float]] = {"A": [], "B": [], "A restart": [], "B restart": []}
     for round_ in range(args.rounds):
         for label, tree in (("A", args.a), ("B", args.b)):
             state = scratch / f"state-{label}-{round_}.db"
+            use_manifest(label)
             result = startup(tree, root, state)
             remove(state)
             times[label].append(result["startup_s"])
-            line = f"round {round_} {label}: start-up {result['startup_s']:.2f} s, {result['queued']} groups queued"
+            line = (f"round {round_} {label}: start-up {result['startup_s']:.2f} s, {result['queued']} groups queued, "
+                    f"peak RSS {result['peak_rss_mb']:.0f} MiB")
             if args.restart:
-                shutil.copy(indexed, state)
+                shutil.copy(indexed[label], state)
                 again = startup(tree, root, state)
                 remove(state)
                 times[f"{label} restart"].append(again["startup_s"])
-                line += f"; restart {again['startup_s']:.2f} s, {again['queued']} queued"
+                line += f"; restart {again['startup_s']:.2f} s, {again['queued']} queued, peak RSS {again['peak_rss_mb']:.0f} MiB"
             print(f"{line}; load {os.getloadavg()[0]:.2f}", flush=True)
-    remove(indexed)
+    for label in ("A", "B"):
+        remove(indexed[label])
+        manifests[label].unlink(missing_ok=True)
     for kind in ("", " restart") if args.restart else ("",):
         a, b = statistics.median(times["A" + kind]), statistics.median(times["B" + kind])
         print(f"median{kind or ' start-up'} A {a:.2f} s, B {b:.2f} s, A/B {a / b:.2f}x; pairs A/B: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from factory.index_runs import INDEX_COLUMNS, rows_of, table_of
 from factory.store import CommitRecord, StoreError
+from factory.store_records import Block
 
 if TYPE_CHECKING:
     from factory.store_object import StoreReader
 
 logger = logging.getLogger(__name__)
-
-INDEX_COLUMNS = ["env", "env_id", "policy_version", "group_size"]
 
 
 @dataclass
@@ -42,6 +42,45 @@ class NewShard:
         if self.row_offset == 0 and self.file_index.num_rows == self.rows:
             return self.file_index
         return self.file_index.slice(self.row_offset, self.rows)
+
+
+@dataclass
+class NewBlock:
+    """Consecutive members of one compacted file that the service has not indexed, taken whole: rows
+    `first .. first + rows` of `path`, member after member (`member_rows` each)."""
+
+    run_id: str
+    file: str
+    path: Path | str
+    first: int
+    member_rows: Any
+    """numpy int64 array: rows of each member."""
+    file_index: pa.Table
+    """INDEX_COLUMNS of every row of `path`."""
+    block: Block
+
+    @property
+    def rows(self) -> int:
+        return self.block.total
+
+
+KnownBlocks = Mapping[tuple[str, str], list[tuple[int, int]]]
+"""(run, merged file) -> row ranges of it that the service indexed as blocks."""
+
+
+def covered(known_blocks: KnownBlocks | None, run_id: str, file: str, start: int, end: int) -> bool | None:
+    """True if rows `start..end` of a merged file are inside one range the service indexed as a block, None if
+    they overlap such ranges only in part, False if they overlap none."""
+    spans = known_blocks.get((run_id, file)) if known_blocks else None
+    if not spans:
+        return False
+    partly = False
+    for low, high in spans:
+        if low <= start and end <= high:
+            return True
+        if low < end and start < high:
+            partly = True
+    return None if partly else False
 
 
 @dataclass
@@ -72,11 +111,16 @@ class Locator:
         self._paths: dict[tuple[str, str], Path | str] = {}
 
     def locate(self, run_id: str, shard: str) -> tuple[Path | str, int]:
-        records = self._records.get(run_id)
-        if records is None:
-            records = self._records[run_id] = self.store.committed(run_id)
-        record = records.get(shard)
-        name, offset = (record.physical, record.row_offset) if record is not None else (shard, 0)
+        where = getattr(self.store, "where", None)
+        if where is not None:  # a local store: no record made (nor a copy of every record, blocks included)
+            found = where(run_id, shard)
+            name, offset = found if found is not None else (shard, 0)
+        else:
+            records = self._records.get(run_id)
+            if records is None:
+                records = self._records[run_id] = self.store.committed(run_id)
+            record = records.get(shard)
+            name, offset = (record.physical, record.row_offset) if record is not None else (shard, 0)
         path = self._paths.get((run_id, name))
         if path is None:
             path = self._paths[(run_id, name)] = self.store.shard_path(run_id, name)
@@ -103,12 +147,13 @@ class IndexCache:
             return table
         return table.slice(offset, rows)
 
-    def file(self, path: Path | str, offset: int, rows: int) -> pa.Table:
+    def file(self, path: Path | str, offset: int, rows: int, summary: dict[str, Any] | None = None) -> pa.Table:
         """Index columns of the whole file `path`, checked to hold rows `offset..offset + rows` (read once while
-        it is among the last `files` read; a shard's own file is not kept)."""
+        it is among the last `files` read; a shard's own file is not kept). `summary`: the file's index as runs
+        (its compaction record's), made into the columns instead of reading them."""
         table = self._tables.get(path)
         if table is None:
-            table = self._read(path)
+            table = table_of(summary) if summary is not None and rows_of(summary) >= offset + rows else self._read(path)
             if offset or table.num_rows != rows:  # a compacted file: its other shards come next
                 self._tables[path] = table
                 while len(self._tables) > self.files:
@@ -120,8 +165,9 @@ class IndexCache:
         return table
 
 
-_cursors: weakref.WeakKeyDictionary[StoreReader, dict[str, tuple[Any, set[str]]]] = weakref.WeakKeyDictionary()
-"""Per store object and run: the change-list cursor of the last scan and the shards it must look at again."""
+_cursors: weakref.WeakKeyDictionary[StoreReader, dict[str, tuple[Any, set[str], list[Block]]]] = weakref.WeakKeyDictionary()
+"""Per store object and run: the change-list cursor of the last scan and the shards (and blocks) it must look at
+again."""
 
 
 def runs_to_follow(store: StoreReader, follow: list[str], ingest_run: str) -> list[str]:
@@ -135,20 +181,25 @@ def runs_to_follow(store: StoreReader, follow: list[str], ingest_run: str) -> li
 
 def scan_new_shards(
     store: StoreReader, runs: list[str], known: Collection[tuple[str, str]], reported: set[str],
-    moved: list[Moved] | None = None,
-) -> list[NewShard]:
+    moved: list[Moved] | None = None, known_blocks: KnownBlocks | None = None,
+) -> list[NewShard | NewBlock]:
     """Committed, intact shards of `runs` not in `known`, in commit order; a bad shard is logged once and left out.
 
     `moved`, if given, gets the known shards whose rows a compaction moved into a merged file that is in place
     (their rows keep their numbers inside the shard: row r is row `row_offset + r` of the file).
+    `known_blocks`: row ranges of merged files the caller indexed as blocks; shards inside them are known too.
+    Members of a compacted file that the store holds as a block (a manifest's) and that none of this knows come
+    as one `NewBlock`; where some of them are known, they come one by one as before.
 
     Each scan looks only at what the runs' logs added or changed since the previous scan with this store
     object (and at shards that could not be read then), not at the whole history.
     """
-    found = []
+    found: list[NewShard | NewBlock] = []
     indexes = IndexCache(filesystem=store.filesystem)
     sizes: dict[Path | str, int | None] = {}
     paths: dict[str, Path | str] = {}
+    taken: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    """Row ranges of the blocks returned by this scan (a member of one also met as a record is not returned)."""
 
     def size_of(path: Path | str) -> int | None:
         """One look per file and scan (a stat, or a HEAD request on an object store; a merged file holds many)."""
@@ -163,20 +214,63 @@ def scan_new_shards(
             path = paths[name] = store.shard_path(run_id, name)
         return path
 
+    def inside_blocks(run_id: str, file: str, start: int, end: int) -> bool:
+        return covered(known_blocks, run_id, file, start, end) is True or covered(taken, run_id, file, start, end) is True
+
+    def items_of(run_id: str, items: list[Any]) -> Iterator[Any]:
+        """Records, and blocks none of whose members is known yet (else their members' records)."""
+        for item in items:
+            if type(item) is Block:
+                state = covered(known_blocks, run_id, item.file, item.first, item.first + item.total)
+                if state is True:
+                    continue
+                if state is None or (known and any((run_id, name) in known for name in item.names())):
+                    yield from item.records()
+                    continue
+            yield item
+
     cursors = _cursors.setdefault(store, {})
+    changed_items = getattr(store, "changed_items", None)
+    index_summary = getattr(store, "index_summary", None)
     for run_id in runs:
         paths.clear()
-        cursor, retry = cursors.get(run_id, (None, set()))
-        cursor, changed = store.changes(run_id, cursor)
+        cursor, retry, retry_blocks = cursors.get(run_id, (None, set(), []))
+        cursor, changed = changed_items(run_id, cursor) if changed_items is not None else store.changes(run_id, cursor)
         pending = [record for shard in retry if (record := store.record(run_id, shard)) is not None]
         again: set[str] = set()
         """Shards to look at again next scan: unreadable ones, and those returned now (until the caller knows them:
         a caller that could not index one finds it again)."""
+        again_blocks: list[Block] = []
         finished = False
-        records = list({r.shard: r for r in pending + changed}.values())
+        records = list({(r.key if type(r) is Block else r.shard): r for r in retry_blocks + pending + changed}.values())
         if store.filesystem is not None:  # an object store: every look is a request, so make them concurrently
-            _read_ahead(store, run_id, [r for r in records if (run_id, r.shard) not in known and not r.file], sizes, indexes)
-        for record in records:
+            _read_ahead(store, run_id, [r for r in records if type(r) is not Block and (run_id, r.shard) not in known
+                                        and not r.file], sizes, indexes)
+        for record in items_of(run_id, records):
+            if type(record) is Block:
+                path = path_of(run_id, record.file)
+                if not finished and size_of(path) is None:  # logged, not yet renamed into place: finish it
+                    finished = True
+                    try:
+                        store.finish_commits(run_id)
+                    except (OSError, StoreError) as error:
+                        logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
+                    sizes.clear()
+                try:
+                    if size_of(path) is None:
+                        raise FileNotFoundError(f"{path} does not exist")
+                    index = indexes.file(path, record.first, record.total,
+                                         index_summary(run_id, record.file) if index_summary else None)
+                except (OSError, pa.ArrowException) as error:
+                    again_blocks.append(record)
+                    if str(path) not in reported:
+                        reported.add(str(path))
+                        logger.error("compacted file %s left out of serving: %s", path, error)
+                    continue
+                found.append(NewBlock(run_id, record.file, path, record.first, record.rows, index, record))
+                again_blocks.append(record)
+                taken.setdefault((run_id, record.file), []).append((record.first, record.first + record.total))
+                continue
             name = record.shard
             if (run_id, name) in known:
                 if moved is not None and record.file:
@@ -186,6 +280,8 @@ def scan_new_shards(
                     else:
                         moved.append(Moved(run_id, name, path, record.row_offset))
                 continue
+            if record.file and inside_blocks(run_id, record.file, record.row_offset, record.row_offset + record.rows):
+                continue  # indexed as a member of a block
             path = path_of(run_id, record.physical)
             if not finished and size_of(path) is None:
                 # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
@@ -205,7 +301,8 @@ def scan_new_shards(
                         raise FileNotFoundError(f"{path} does not exist")
                     if size != record.bytes:
                         raise OSError(f"size is {size} bytes, commit log says {record.bytes}")
-                index = indexes.file(path, record.row_offset, record.rows)
+                summary = index_summary(run_id, record.file) if index_summary and record.file else None
+                index = indexes.file(path, record.row_offset, record.rows, summary)
             except (OSError, pa.ArrowException) as error:
                 again.add(name)
                 if str(path) not in reported:
@@ -214,7 +311,7 @@ def scan_new_shards(
                 continue
             found.append(NewShard(run_id, name, path, record.rows, index, record.row_offset))
             again.add(name)
-        cursors[run_id] = (cursor, again)
+        cursors[run_id] = (cursor, again, again_blocks)
     return found
 
 

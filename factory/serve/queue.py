@@ -56,6 +56,23 @@ class Block:
         return self.entries(self.hi, hi)
 
 
+def _counts(values: Any) -> list[tuple[int, int]]:
+    """(value, how many) of a numpy integer array, ascending: by counting where the values are small and not
+    negative (lanes, group sizes), not by sorting (a start-up queues millions of groups at once)."""
+    import numpy as np
+
+    if len(values) and 0 <= values.min() and values.max() < 1 << 16:
+        counts = np.bincount(values)
+        present = np.flatnonzero(counts)
+        return list(zip(present.tolist(), counts[present].tolist()))
+    found, counts = np.unique(values, return_counts=True)
+    return list(zip(found.tolist(), counts.tolist()))
+
+
+def _distinct(values: Any) -> list[int]:
+    return [value for value, _ in _counts(values)]
+
+
 class GroupQueue:
     """Queued groups by lane with running counts for /status and /status-env."""
 
@@ -105,7 +122,7 @@ class GroupQueue:
         # ~28 bytes a queued group (an Entry is ~100): 32-bit sources, rows and sizes, 64-bit arrival and version
         sources, rows, sizes = (np.asarray(a, dtype=np.int32) for a in (sources, rows, sizes))
         versions = np.asarray(versions, dtype=np.int64)
-        for lane in np.unique(lanes).tolist():
+        for lane in _distinct(lanes):
             if lane == lanes[0] and lane == lanes[-1] and (lanes == lane).all():
                 pick: Any = slice(None)
             else:
@@ -114,8 +131,7 @@ class GroupQueue:
             self._lanes[lane].append(block)
             self.lane_sequences[lane] += int(block.sizes.sum())
             self.lane_groups[lane] += len(block)
-        values, counts = np.unique(sizes, return_counts=True)
-        for size, n in zip(values.tolist(), counts.tolist()):
+        for size, n in _counts(sizes):
             self._sizes[size] += n
         self.groups += count
         last = count - 1

@@ -23,6 +23,7 @@ as Atropos's (bench.serve's idle RSS).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import gc
 import logging
@@ -48,7 +49,7 @@ from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, Serv
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from factory.serve.follower import Moved, NewShard
+    from factory.serve.follower import Moved, NewBlock, NewShard
     from factory.serve.ingest import Arrival, GroupCommitter
     from factory.serve.payload import PayloadReader
     from factory.serve.wire import WireGroups
@@ -88,6 +89,8 @@ class BatchBody:
         return self.raw is not None or (compress and self.gz is not None)
 
 
+FOLD_MIN_SHARDS = 2
+"""Consecutive sources that a compaction merged, in order, into one file: folded into one block at a start-up."""
 FREEZE_MIN_SOURCES = 10_000
 """Indexed shards from which a start-up freezes what it built (see `_bulk_load`)."""
 
@@ -150,6 +153,12 @@ class BatchService:
         """(file, first row) of sources a compaction moved while the service runs: one entry, so a read in a worker
         thread sees the old place or the new one, never the new file with the old offset."""
         self._known: set[tuple[str, str]] = set()
+        self._block_firsts: list[int] = []
+        """First source id of each indexed block of a compacted file's members, ascending (arrival order)."""
+        self._block_places: list[tuple[Path | str, Any]] = []
+        """(file, numpy array of the row each member starts at) of each block, as `_block_firsts`."""
+        self._block_ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        """(run, merged file) -> row ranges of it indexed as blocks (their members are known without their names)."""
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
         self._inflight: dict[str, asyncio.Future[None]] = {}
@@ -205,7 +214,7 @@ class BatchService:
             except OSError:
                 return False
 
-        if self._store is not None or self.sources or "://" in self.config.store_root:
+        if self._store is not None or self.sources or self._block_firsts or "://" in self.config.store_root:
             return True
         if "*" in self.config.follow_runs:
             try:
@@ -271,12 +280,38 @@ class BatchService:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
         taken = self.state.taken_rows()
         sources = self.state.sources()
-        if sources:  # an idle service with nothing indexed does not load pyarrow and the store
+        blocks = self.state.source_blocks()
+        if sources or blocks:  # an idle service with nothing indexed does not load pyarrow and the store
             from factory.serve.follower import IndexCache, Locator
 
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
-        ranges = []
+        if sources and getattr(self.store, "where", None) is not None:
+            sources, blocks = self._fold(sources, blocks)
+        ranges: list[tuple[Any, int, Any, int]] = []
+        pending_blocks = iter(blocks)
+        block = next(pending_blocks, None)
+
+        def add_blocks_before(source: int | None) -> None:
+            """Blocks indexed before `source` (None: all that are left), in arrival order."""
+            nonlocal block, ranges
+            while block is not None and (source is None or block[0] < source):
+                first_source, run_id, file, first, member_rows = block
+                block = next(pending_blocks, None)
+                path = self.store.shard_path(run_id, file)
+                self._add_block(first_source, run_id, file, path, first, member_rows)
+                summary = getattr(self.store, "index_summary", None)
+                try:
+                    table = indexes.file(path, first, int(member_rows.sum()), summary(run_id, file) if summary else None)
+                except OSError as error:
+                    logger.error("indexed compacted file %s is gone or unreadable; its unserved groups are lost: %s", path, error)
+                    continue
+                if len(ranges) >= 50_000:
+                    self._enqueue_ranges(ranges, taken)
+                    ranges = []
+                ranges.append((table, first, member_rows, first_source))
+
         for source, run_id, shard, rows in sources:
+            add_blocks_before(source)
             path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
             self._source_ids[(run_id, shard)] = source
@@ -296,8 +331,57 @@ class BatchService:
                 self._enqueue_ranges(ranges, taken)
                 ranges = []
             ranges.append((table, offset, rows, source))
+        add_blocks_before(None)
         self._enqueue_ranges(ranges, taken)
-        logger.info("served state loaded: step %d, %d groups queued from %d shards", self.step, self.queue.groups, len(self.sources))
+        logger.info("served state loaded: step %d, %d groups queued from %d shards and %d blocks of compacted files",
+                    self.step, self.queue.groups, len(self.sources), len(self._block_firsts))
+
+    def _fold(self, sources: list[tuple[int, str, str, int]], blocks: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Shards indexed one by one (as they were committed) that a compaction has since merged, in the same
+        order, into one file: each run of consecutive source ids becomes one block of the served state (their ids
+        and taken rows unchanged), so that this start-up is the last to look at them one by one. Returns the
+        sources and blocks to load."""
+        import numpy as np
+
+        where = self.store.where
+        folded: list[tuple[int, str, str, int, Any]] = []
+        left: list[tuple[int, str, str, int]] = []
+        run: list[tuple[int, str, str, int]] = []
+        start = 0
+        file = ""
+
+        def close() -> None:
+            if len(run) >= FOLD_MIN_SHARDS:
+                folded.append((run[0][0], run[0][1], file, start, np.array([r[3] for r in run], dtype=np.int64)))
+            else:
+                left.extend(run)
+            run.clear()
+
+        end = -1
+        for source in sources:
+            source_id, run_id, shard, rows = source
+            found = where(run_id, shard)
+            if found is None or found[0] == shard:  # not committed, or in its own file
+                close()
+                left.append(source)
+                continue
+            if not (run and source_id == run[-1][0] + 1 and run_id == run[-1][1] and found[0] == file and found[1] == end):
+                close()
+                file, start = found
+            run.append(source)
+            end = found[1] + rows
+        close()
+        if not folded:
+            return sources, blocks
+        try:
+            self.state.fold_sources(folded)
+        except sqlite3.Error as error:
+            logger.error("cannot fold %d runs of compacted shards into blocks of the served state %s (%s); they are "
+                         "loaded one by one", len(folded), self.state.path, error)
+            return sources, blocks
+        logger.info("folded %d compacted shards into %d blocks of the served state",
+                    sum(len(f[4]) for f in folded), len(folded))
+        return left, self.state.source_blocks()
 
     async def start(self) -> None:
         limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)
@@ -326,14 +410,24 @@ class BatchService:
         self.state.close()
 
     # ---- sources of groups ----
-    def _scan(self) -> tuple[list[NewShard], list[Moved]]:
+    def _scan(self) -> tuple[list[NewShard | NewBlock], list[Moved]]:
         if not self._may_have_shards():
             return [], []
         from factory.serve.follower import runs_to_follow, scan_new_shards
 
         runs = runs_to_follow(self.store, self.config.follow_runs, self.config.ingest_run)
         moved: list[Moved] = []
-        return scan_new_shards(self.store, runs, set(self._known), self._reported, moved), moved
+        blocks = {key: list(spans) for key, spans in self._block_ranges.items()}
+        return scan_new_shards(self.store, runs, set(self._known), self._reported, moved, blocks), moved
+
+    def _add_block(self, first_source: int, run_id: str, file: str, path: Path | str, first: int, member_rows: Any) -> None:
+        """Note an indexed block of a compacted file's members: source `first_source + i` is member i."""
+        import numpy as np
+
+        ends = np.cumsum(member_rows)
+        self._block_firsts.append(first_source)
+        self._block_places.append((path, first + ends - member_rows))
+        self._block_ranges.setdefault((run_id, file), []).append((first, first + (int(ends[-1]) if len(ends) else 0)))
 
     async def _follow(self) -> None:
         while True:
@@ -343,16 +437,32 @@ class BatchService:
             except Exception:  # noqa: BLE001 - a bad scan must not stop following; it is retried next interval
                 logger.exception("scan of followed runs failed; retrying in %.1f s", self.config.follow_interval_s)
 
-    def _add_shards(self, found: tuple[list[NewShard], list[Moved]]) -> None:
+    def _add_shards(self, found: tuple[list[NewShard | NewBlock], list[Moved]]) -> None:
         shards, moved = found
         self._relocate(moved)
-        new: list[NewShard] = []
+        if not shards:
+            return
+        from factory.serve.follower import NewBlock, covered  # not before: an idle service has not loaded the store
+        from factory.serve.state import BlockRows
+
+        new: list[NewShard | NewBlock] = []
         ids_of: list[list[str]] = []
         id_files: dict[Path | str, list[str]] = {}
         seen: set[tuple[str, str]] = set()
         for shard in shards:
-            key = (shard.run_id, shard.shard)
-            if key in self._known or key in seen:
+            if isinstance(shard, NewBlock):
+                key = (shard.run_id, f"\x00{shard.file}\x00{shard.first}")
+                known = covered(self._block_ranges, shard.run_id, shard.file, shard.first, shard.first + shard.rows)
+                if known is None:  # the follower splits such blocks into their members; not one it was given
+                    logger.error("rows %d..%d of %s/%s are in part indexed already; left out of this scan",
+                                 shard.first, shard.first + shard.rows, shard.run_id, shard.file)
+                if known is not False:
+                    continue
+            else:
+                key = (shard.run_id, shard.shard)
+                if key in self._known:
+                    continue
+            if key in seen:
                 continue
             seen.add(key)
             ids: list[str] = []
@@ -365,67 +475,97 @@ class BatchService:
         if not new:
             return
         try:  # one transaction for the whole scan: all of it is indexed, or none and the next scan retries it
-            sources = self.state.add_sources([(s.run_id, s.shard, s.rows, ids) for s, ids in zip(new, ids_of)])
+            sources = self.state.add_sources([
+                (s.run_id, s.file, BlockRows(s.first, s.member_rows), ids) if isinstance(s, NewBlock)
+                else (s.run_id, s.shard, s.rows, ids) for s, ids in zip(new, ids_of)])
         except sqlite3.Error as error:
             logger.error("cannot index %d shards in the served state %s (%s); retrying at the next scan", len(new), self.state.path, error)
             return
+        ranges: list[tuple[Any, int, Any, int]] = []
         for shard, ids, source in zip(new, ids_of, sources):
             if ids:
                 self._stored_ids.difference_update(ids)
+            if isinstance(shard, NewBlock):
+                self._add_block(source, shard.run_id, shard.file, shard.path, shard.first, shard.member_rows)
+                ranges.append((shard.file_index, shard.first, shard.member_rows, source))
+                continue
+            ranges.append((shard.file_index, shard.row_offset, shard.rows, source))
             self.sources[source] = shard.path
             self._source_ids[(shard.run_id, shard.shard)] = source
             if shard.row_offset:
                 self.row_offsets[source] = shard.row_offset
             self._known.add((shard.run_id, shard.shard))
-        self._enqueue_ranges(
-            [(shard.file_index, shard.row_offset, shard.rows, source) for shard, source in zip(new, sources)])
+        self._enqueue_ranges(ranges)
         self._kick_prefetch()
 
-    def _group_ids(self, shard: NewShard, files: dict[Path | str, list[str]]) -> list[str]:
-        """group_ids of a shard's rows; a merged file's column is read once for all its members (`files`)."""
+    def _group_ids(self, shard: NewShard | NewBlock, files: dict[Path | str, list[str]]) -> list[str]:
+        """group_ids of a shard's (or block's) rows; a merged file's column is read once for all its members (`files`)."""
         import pyarrow.parquet as pq
 
+        offset = shard.first if hasattr(shard, "first") else shard.row_offset
         ids = files.get(shard.path)
         if ids is None:
             with pq.ParquetFile(shard.path, filesystem=self.store.filesystem) as parquet:
                 ids = parquet.read(columns=["group_id"]).column(0).to_pylist()
-            if shard.row_offset or len(ids) != shard.rows:
+            if offset or len(ids) != shard.rows:
                 files.clear()  # one merged file at a time: its members come one after the other
                 files[shard.path] = ids
-        return ids[shard.row_offset:shard.row_offset + shard.rows]
+        return ids[offset:offset + shard.rows]
 
-    def _enqueue_ranges(self, ranges: list[tuple[Any, int, int, int]],
+    def _enqueue_ranges(self, ranges: list[tuple[Any, int, Any, int]],
                         taken: dict[int, set[int]] | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
         order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
         array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
-        take one slice of its index, and the slices are concatenated (a shard's own file is its whole table)."""
+        take one slice of its index, and the slices are concatenated (a shard's own file is its whole table).
+        A block of a compacted file's members is one entry: its rows are a numpy array (rows of each member) and
+        its source the first member's (member i is source + i)."""
         if not ranges:
             return
         import numpy as np
         import pyarrow as pa
 
-        counts = np.fromiter((rows for _, _, rows, _ in ranges), dtype=np.int64, count=len(ranges))
+        count_parts, id_parts, totals = [], [], []
+        single_counts: list[int] = []
+        single_ids: list[int] = []
+        for _, _, rows_, source in ranges:
+            if isinstance(rows_, (int, np.integer)):
+                single_counts.append(rows_)
+                single_ids.append(source)
+                totals.append(rows_)
+                continue
+            if single_counts:
+                count_parts.append(np.array(single_counts, dtype=np.int64))
+                id_parts.append(np.array(single_ids, dtype=np.int64))
+                single_counts, single_ids = [], []
+            count_parts.append(np.asarray(rows_, dtype=np.int64))
+            id_parts.append(np.arange(source, source + len(rows_), dtype=np.int64))
+            totals.append(int(count_parts[-1].sum()))
+        if single_counts:
+            count_parts.append(np.array(single_counts, dtype=np.int64))
+            id_parts.append(np.array(single_ids, dtype=np.int64))
+        counts = count_parts[0] if len(count_parts) == 1 else np.concatenate(count_parts)
+        ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
         starts = np.cumsum(counts) - counts
         total = int(counts.sum())
-        ids = np.fromiter((source for _, _, _, source in ranges), dtype=np.int64, count=len(ranges))
         sources = np.repeat(ids, counts)
         rows = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         keep = None
         if taken:
-            done = [(int(start), count, taken[source])
-                    for (_, _, count, source), start in zip(ranges, starts.tolist()) if source in taken]
-            if done:
+            at_source = {int(source): (int(start), int(count))
+                         for source, start, count in zip(*(a[np.isin(ids, np.fromiter(taken, np.int64, len(taken)))]
+                                                           for a in (ids, starts, counts)))}
+            if at_source:
                 keep = np.ones(total, dtype=bool)
-                for start, count, skip in done:
-                    keep[[start + row for row in skip if 0 <= row < count]] = False
+                for source, (start, count) in at_source.items():
+                    keep[[start + row for row in taken[source] if 0 <= row < count]] = False
         slices = []
         at = 0
         while at < len(ranges):
             table, first, _, _ = ranges[at]
             upto = first
             while at < len(ranges) and ranges[at][0] is table and ranges[at][1] == upto:
-                upto += ranges[at][2]
+                upto += totals[at]
                 at += 1
             slices.append(table if first == 0 and upto == table.num_rows else table.slice(first, upto - first))
         try:
@@ -852,7 +992,14 @@ class BatchService:
         moved = self._moved.get(source)
         if moved is not None:
             return moved[0], moved[1] + row
-        return self.sources[source], row + self.row_offsets.get(source, 0)
+        path = self.sources.get(source)
+        if path is not None:
+            return path, row + self.row_offsets.get(source, 0)
+        at = bisect.bisect_right(self._block_firsts, source) - 1
+        if at < 0 or source - self._block_firsts[at] >= len(self._block_places[at][1]):
+            raise KeyError(f"source {source} is not indexed")
+        path, starts = self._block_places[at]
+        return path, int(starts[source - self._block_firsts[at]]) + row
 
     def _read(self, keys: list[tuple[int, int]], arrow: bool, compress: bool) -> BatchBody:
         body = self._encode(BatchBody(keys=keys), arrow, compress, self._table(keys))

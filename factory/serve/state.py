@@ -3,7 +3,9 @@
 It records what a restart must not forget: the trainer's registration and
 step, registered environments, which shards the service has indexed (in
 arrival order), and every group taken from the queue with the step of the
-batch it went into (or why it was skipped). The queue itself is not stored:
+batch it went into (or why it was skipped). Members of a compacted file found
+together (a start-up after compaction) are indexed as one block: one row for a
+run of consecutive source ids, one per member, in the file's member order. The queue itself is not stored:
 on start it is rebuilt from the shards minus what was taken. WAL mode with
 `synchronous=NORMAL` makes each commit survive a killed process (`kill -9`);
 only an OS crash or power loss can lose the last few transactions.
@@ -15,6 +17,7 @@ import json
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +34,25 @@ CREATE TABLE IF NOT EXISTS envs (env_id INTEGER PRIMARY KEY, info TEXT NOT NULL)
 CREATE TABLE IF NOT EXISTS sources (
     source_id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, shard TEXT NOT NULL, rows INTEGER NOT NULL,
     UNIQUE (run_id, shard));
+CREATE TABLE IF NOT EXISTS source_blocks (
+    first_source INTEGER PRIMARY KEY, run_id TEXT NOT NULL, file TEXT NOT NULL, first_row INTEGER NOT NULL,
+    members INTEGER NOT NULL, member_rows BLOB NOT NULL, UNIQUE (run_id, file, first_row));
 CREATE TABLE IF NOT EXISTS taken (
     source INTEGER NOT NULL, row INTEGER NOT NULL, step INTEGER NOT NULL, pos INTEGER NOT NULL,
     epoch INTEGER NOT NULL, PRIMARY KEY (source, row)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS ingested (group_id TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS taken_step ON taken (epoch, step, pos);
 """
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """What `add_sources` indexes for a block of a compacted file's members (its entry's name is the file): rows
+    `first ..` of the file, `rows[i]` for member i, which gets the i-th source id of the block."""
+
+    first: int
+    rows: Any
+    """numpy int64 array (numpy is imported only where blocks are: an idle service loads neither it nor pyarrow)."""
 
 
 class ServedState:
@@ -100,17 +116,77 @@ class ServedState:
         """
         with self._transaction():
             self.db.executemany("INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for g in group_ids])
-            self.db.execute("INSERT OR IGNORE INTO sources (run_id, shard, rows) VALUES (?, ?, ?)", (run_id, shard, rows))
+            self.db.execute("INSERT OR IGNORE INTO sources (source_id, run_id, shard, rows) VALUES (?, ?, ?, ?)",
+                            (self._next_source(), run_id, shard, rows))
             (source,) = self.db.execute("SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()
         return int(source)
 
-    def add_sources(self, shards: Sequence[tuple[str, str, int, Iterable[str]]]) -> list[int]:
+    def source_blocks(self) -> list[tuple[int, str, str, int, Any]]:
+        """(first source id, run_id, file, first row, rows of each member) of indexed blocks, in arrival order."""
+        blocks = self.db.execute("SELECT COUNT(*) FROM source_blocks").fetchone()[0]
+        if not blocks:
+            return []
+        import numpy as np
+
+        return [(first, run_id, file, first_row, np.frombuffer(rows, dtype="<i8").astype(np.int64))
+                for first, run_id, file, first_row, rows in self.db.execute(
+                    "SELECT first_source, run_id, file, first_row, member_rows FROM source_blocks ORDER BY first_source")]
+
+    def fold_sources(self, blocks: Sequence[tuple[int, str, str, int, Any]]) -> None:
+        """Replace runs of shards indexed one by one by blocks, in one transaction: each (first source id, run_id,
+        file, first row, rows of each member) stands for the sources `first ..` (consecutive ids, the members of
+        a compacted file in its order); their ids, and so the groups taken from them, stay as they are."""
+        import numpy as np
+
+        with self._transaction():
+            for first, run_id, file, first_row, rows in blocks:
+                self.db.execute(
+                    "INSERT INTO source_blocks (first_source, run_id, file, first_row, members, member_rows) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (first, run_id, file, first_row, len(rows), np.ascontiguousarray(rows, dtype="<i8").tobytes()))
+                self.db.execute("DELETE FROM sources WHERE source_id BETWEEN ? AND ?", (first, first + len(rows) - 1))
+
+    def _insert_sources(self, shards: Sequence[tuple[str, str, int | BlockRows, Iterable[str]]],
+                        first: int) -> tuple[list[int], int, int]:
+        """Insert `shards` (see add_sources) with ids from `first` on, skipping those indexed before; returns
+        (their ids, rows inserted, rows meant to be)."""
+        import numpy as np
+
+        at = first
+        ids: list[int] = []
+        rows_of_shards, rows_of_blocks = [], []
+        for run_id, shard, rows, _ in shards:
+            ids.append(at)
+            if isinstance(rows, BlockRows):
+                members = len(rows.rows)
+                rows_of_blocks.append((at, run_id, shard, int(rows.first), members,
+                                       np.ascontiguousarray(rows.rows, dtype="<i8").tobytes()))
+                at += max(1, members)
+            else:
+                rows_of_shards.append((at, run_id, shard, rows))
+                at += 1
+        inserted = self.db.executemany(
+            "INSERT OR IGNORE INTO sources (source_id, run_id, shard, rows) VALUES (?, ?, ?, ?)", rows_of_shards,
+        ).rowcount if rows_of_shards else 0
+        inserted += self.db.executemany(
+            "INSERT OR IGNORE INTO source_blocks (first_source, run_id, file, first_row, members, member_rows) "
+            "VALUES (?, ?, ?, ?, ?, ?)", rows_of_blocks,
+        ).rowcount if rows_of_blocks else 0
+        return ids, inserted, len(rows_of_shards) + len(rows_of_blocks)
+
+    def _next_source(self) -> int:
+        (shards,) = self.db.execute("SELECT COALESCE(MAX(source_id), 0) FROM sources").fetchone()
+        (blocks,) = self.db.execute("SELECT COALESCE(MAX(first_source + members - 1), 0) FROM source_blocks").fetchone()
+        return max(shards, blocks) + 1
+
+    def add_sources(self, shards: Sequence[tuple[str, str, int | BlockRows, Iterable[str]]]) -> list[int]:
         """Index many committed shards, each (run_id, shard, rows, group_ids), in ONE transaction; their source ids in order.
 
-        All or nothing: a failed transaction indexes none of them, and the next scan retries them all. Idempotent
-        like `add_source` (a shard indexed before keeps its id), and source ids follow the order given, so
-        arrival order is the scan's order. One transaction per scan keeps a fresh start over many shards from
-        paying one WAL commit per shard.
+        An entry whose rows are `BlockRows` indexes a block of members of the compacted file named `shard`; its id
+        is the block's first (member i is that + i). All or nothing: a failed transaction indexes none of them,
+        and the next scan retries them all. Idempotent like `add_source` (a shard or block indexed before keeps
+        its ids), and source ids follow the order given, so arrival order is the scan's order. One transaction
+        per scan keeps a fresh start over many shards from paying one WAL commit per shard.
         """
         if not shards:
             return []
@@ -118,23 +194,33 @@ class ServedState:
             self.db.executemany(
                 "INSERT OR IGNORE INTO ingested (group_id) VALUES (?)", [(g,) for _, _, _, ids in shards for g in ids]
             )
-            (last,) = self.db.execute("SELECT COALESCE(MAX(source_id), 0) FROM sources").fetchone()
-            inserted = self.db.executemany(
-                "INSERT OR IGNORE INTO sources (run_id, shard, rows) VALUES (?, ?, ?)",
-                [(run_id, shard, rows) for run_id, shard, rows, _ in shards],
-            ).rowcount
-            if inserted == len(shards):
-                # None was indexed before: they got the ids after `last`, in the order given (one query, not one
-                # per shard; a start-up indexes hundreds of thousands)
-                (first, end) = self.db.execute(
-                    "SELECT MIN(source_id), MAX(source_id) FROM sources WHERE source_id > ?", (last,)).fetchone()
-                if end - first + 1 == len(shards):
-                    return list(range(first, end + 1))
-            sources = [
-                int(self.db.execute("SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()[0])
-                for run_id, shard, _, _ in shards
-            ]
-        return sources
+            first = self._next_source()
+            self.db.execute("SAVEPOINT fresh")
+            ids, inserted, wanted = self._insert_sources(shards, first)
+            if inserted == wanted:  # none was indexed before (one statement per table, not one query per shard)
+                self.db.execute("RELEASE fresh")
+                return ids
+            # Some were indexed before: they keep their ids, and the others take the next ones, one by one.
+            self.db.execute("ROLLBACK TO fresh")
+            self.db.execute("RELEASE fresh")
+            ids = []
+            at = first
+            for entry in shards:
+                run_id, shard, rows, _ = entry
+                if isinstance(rows, BlockRows):
+                    found = self.db.execute(
+                        "SELECT first_source FROM source_blocks WHERE run_id = ? AND file = ? AND first_row = ?",
+                        (run_id, shard, int(rows.first))).fetchone()
+                else:
+                    found = self.db.execute(
+                        "SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, shard)).fetchone()
+                if found is not None:
+                    ids.append(int(found[0]))
+                    continue
+                self._insert_sources([entry], at)
+                ids.append(at)
+                at += max(1, len(rows.rows)) if isinstance(rows, BlockRows) else 1
+        return ids
 
     # ---- posted group ids (a client retrying after a crash must not add a group twice) ----
     def known_group_ids(self, group_ids: list[str]) -> set[str]:

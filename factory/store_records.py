@@ -1,0 +1,276 @@
+"""A run's current commit records, with the members of compacted files kept as columns (one block per merged file).
+
+After a compaction a run's history is a few hundred merged files holding up to millions of member shards. The
+manifest keeps each run of consecutive members of one merged file as one row whose members are Arrow columns
+(`Block`), and `Records` keeps such blocks as they are loaded: a start-up that reads the manifest makes a Python
+object per merged file and per shard not yet compacted, not per member. Everything that asks for a member's
+record by name, or for every record, still gets `CommitRecord`s (made when asked). A change to one member of a
+block (a shard re-committed over a compacted one, a compaction record naming one: both rare) first turns every
+block back into records (`Records.explode`), so that blocks never hold anything but current, unchanged members.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from factory.store import CommitRecord
+
+MEMBER_FIELDS = ["shard", "run_id", "producer", "chunk", "rows", "bytes", "sha256", "committed_at"]
+"""Columns of a block's members (the fields of a commit line)."""
+_SHARD_NAME = re.compile(r"^(?P<producer>.+)-(?P<chunk>\d{8,})\.parquet$")
+
+
+def int64_values(column: Any) -> np.ndarray:
+    """An integer Arrow column (without nulls) as a numpy int64 array, read from its buffers (pyarrow's to_numpy
+    imports pandas)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.type != pa.int64():
+        array = array.cast(pa.int64())
+    data = array.buffers()[1]
+    if not len(array):
+        return np.zeros(0, np.int64)
+    return np.frombuffer(data, dtype=np.int64, count=array.offset + len(array))[array.offset:]
+
+
+def column(values: list[Any], type_: pa.DataType) -> pa.Array:
+    """An int64 or string Arrow array of Python values (no nulls), from buffers: `pa.array` imports pandas (~0.5 s),
+    which a reader saving a manifest has no other use for."""
+    if type_ == pa.int64():
+        return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(np.array(values, dtype=np.int64))])
+    if type_ == pa.int32():
+        return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(np.array(values, dtype=np.int32))])
+    if type_ != pa.string():
+        raise TypeError(f"no column builder for {type_}")
+    data = [value.encode() for value in values]
+    offsets = np.zeros(len(data) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, data), dtype=np.int64, count=len(data)), out=offsets[1:])
+    if offsets[-1] >= 1 << 31:
+        raise ValueError("a string column of 2 GiB or more")
+    return pa.Array.from_buffers(type_, len(data), [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))])
+
+
+def table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
+    """`pa.Table.from_pydict(columns, schema=schema)` for int64 and string columns, without importing pandas."""
+    return pa.Table.from_arrays([column(columns[field.name], field.type) for field in schema], schema=schema)
+
+
+def chunk_ranges(names: pa.ChunkedArray) -> dict[str, tuple[int, int]] | None:
+    """Per producer, the lowest and highest chunk of shard names `<producer>-<chunk>.parquet`; None if a name is
+    not of that form. A name whose (producer, chunk) is outside these is none of `names` (see `Records._may_hold`)."""
+    import pyarrow.compute as pc
+
+    parts = pc.extract_regex(names, _SHARD_NAME.pattern)
+    if parts.null_count:
+        return None
+    parts = parts.combine_chunks()
+    if not len(parts):
+        return {}
+    producers = parts.field(0).dictionary_encode()
+    codes = int64_values(producers.indices)
+    chunks = int64_values(pc.cast(parts.field(1), pa.int64()))
+    lows = np.full(len(producers.dictionary), np.iinfo(np.int64).max, dtype=np.int64)
+    highs = np.full(len(producers.dictionary), -1, dtype=np.int64)
+    np.minimum.at(lows, codes, chunks)
+    np.maximum.at(highs, codes, chunks)
+    return {p: (int(lo), int(hi)) for p, lo, hi in zip(producers.dictionary.to_pylist(), lows, highs)}
+
+
+class Block:
+    """Consecutive members of one compacted file, rows `first ..` of it one member after the other, as columns."""
+
+    __slots__ = ("file", "first", "members", "rows", "offsets", "total", "key")
+
+    def __init__(self, file: str, first: int, members: pa.Table) -> None:
+        self.file, self.first, self.members = file, int(first), members
+        self.rows = int64_values(members.column("rows"))
+        ends = np.cumsum(self.rows)
+        self.offsets = self.first + ends - self.rows
+        """Row of the file where each member's rows start."""
+        self.total = int(ends[-1]) if len(ends) else 0
+        self.key = f"\x00{file}\x00{self.first}"
+        """Its key among `Records`' items and in a log's change list (no shard name starts with NUL)."""
+
+    def __len__(self) -> int:
+        return self.members.num_rows
+
+    def names(self) -> list[str]:
+        return self.members.column("shard").to_pylist()
+
+    def records(self) -> list[CommitRecord]:
+        """The members' records, in order (each made here: a frozen dataclass without its per-field setattr)."""
+        from factory.store import CommitRecord
+
+        columns = [self.members.column(name).to_pylist() for name in MEMBER_FIELDS]
+        new, file, result = object.__new__, self.file, []
+        for (shard, run_id, producer, chunk, rows, size, sha256, at), offset in zip(zip(*columns), self.offsets.tolist()):
+            record = new(CommitRecord)
+            record.__dict__.update(shard=shard, run_id=run_id, producer=producer, chunk=chunk, rows=rows, bytes=size,
+                                   sha256=sha256, committed_at=at, skipped=False, file=file, row_offset=offset)
+            result.append(record)
+        return result
+
+    def record(self, index: int) -> CommitRecord:
+        from factory.store import CommitRecord
+
+        values = {name: self.members.column(name)[index].as_py() for name in MEMBER_FIELDS}
+        record = object.__new__(CommitRecord)
+        record.__dict__.update(values, skipped=False, file=self.file, row_offset=int(self.offsets[index]))
+        return record
+
+
+class Records:
+    """Current records by shard name, in log order (a re-committed shard moves to the end; a compacted one keeps
+    its place), with blocks of compacted members kept as `Block`s: the mapping a dict of records was, plus
+    `items_in_order` and `blocks` for callers that can take a block whole."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+        self._blocks = 0
+        self._members = 0
+        self._index: dict[str, tuple[Block, int]] | None = None
+        self._ranges: dict[str, tuple[int, int]] | None = None
+        self._irregular = False
+        self.on_explode: Callable[[dict[str, list[str]]], None] | None = None
+        """Called with {block key: member names} after `explode`, so a log's change list can follow."""
+
+    # ---- blocks ----
+    def add_block(self, block: Block) -> None:
+        self._items[block.key] = block
+        self._blocks += 1
+        self._members += len(block)
+        self._index = self._ranges = None
+
+    @property
+    def has_blocks(self) -> bool:
+        return self._blocks > 0
+
+    def items_in_order(self) -> Iterator[Any]:
+        """Records and blocks, in log order."""
+        return iter(self._items.values())
+
+    def block(self, key: str) -> Block | None:
+        item = self._items.get(key)
+        return item if type(item) is Block else None
+
+    def _may_hold(self, name: str) -> bool:
+        """False only where no block can hold `name`: its (producer, chunk) is outside every producer's range of
+        chunks in the blocks (new commits, the usual case, are: no index of every member is built for them)."""
+        if self._ranges is None:
+            self._ranges = self._chunk_ranges()
+        if self._irregular:
+            return True
+        match = _SHARD_NAME.match(name)
+        if match is None:
+            return False  # every block member's name matches (else _irregular)
+        span = self._ranges.get(match.group(1))
+        return span is not None and span[0] <= int(match.group(2)) <= span[1]
+
+    def _chunk_ranges(self) -> dict[str, tuple[int, int]]:
+        blocks = [item for item in self._items.values() if type(item) is Block]
+        ranges = chunk_ranges(pa.chunked_array(
+            [chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string()))
+        self._irregular = ranges is None
+        return ranges or {}
+
+    def set_chunk_ranges(self, ranges: dict[str, tuple[int, int]] | None) -> None:
+        """What `chunk_ranges` says of the blocks' names, known already (saved with the manifest)."""
+        self._ranges, self._irregular = (ranges or {}), ranges is None
+
+    def _in_blocks(self, name: str) -> tuple[Block, int] | None:
+        if not self._blocks or not self._may_hold(name):
+            return None
+        if self._index is None:
+            index: dict[str, tuple[Block, int]] = {}
+            for item in self._items.values():
+                if type(item) is Block:
+                    index.update(zip(item.names(), ((item, i) for i in range(len(item)))))
+            self._index = index
+        return self._index.get(name)
+
+    def where(self, name: str) -> tuple[str, int] | None:
+        """(file holding the shard's rows, first row in it), without making its record; None if not committed."""
+        item = self._items.get(name)
+        if item is not None:
+            return item.physical, item.row_offset
+        hit = self._in_blocks(name)
+        return (hit[0].file, int(hit[0].offsets[hit[1]])) if hit else None
+
+    def explode(self) -> None:
+        """Turn every block back into records, in place (see the module docstring)."""
+        if not self._blocks:
+            return
+        items: dict[str, Any] = {}
+        expanded: dict[str, list[str]] = {}
+        for key, item in self._items.items():
+            if type(item) is Block:
+                records = item.records()
+                expanded[key] = [r.shard for r in records]
+                items.update((r.shard, r) for r in records)
+            else:
+                items[key] = item
+        self._items, self._blocks, self._members, self._index, self._ranges = items, 0, 0, None, None
+        if self.on_explode is not None:
+            self.on_explode(expanded)
+
+    # ---- the mapping ----
+    def get(self, name: str, default: Any = None) -> Any:
+        item = self._items.get(name)
+        if item is not None:
+            return item
+        hit = self._in_blocks(name)
+        return hit[0].record(hit[1]) if hit else default
+
+    def __getitem__(self, name: str) -> CommitRecord:
+        record = self.get(name)
+        if record is None:
+            raise KeyError(name)
+        return record
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._items or self._in_blocks(name) is not None)
+
+    def __len__(self) -> int:
+        return len(self._items) - self._blocks + self._members
+
+    def __iter__(self) -> Iterator[str]:
+        for key, item in self._items.items():
+            if type(item) is Block:
+                yield from item.names()
+            else:
+                yield key
+
+    def keys(self) -> Iterator[str]:
+        return iter(self)
+
+    def values(self) -> Iterator[CommitRecord]:
+        for item in self._items.values():
+            if type(item) is Block:
+                yield from item.records()
+            else:
+                yield item
+
+    def items(self) -> Iterator[tuple[str, CommitRecord]]:
+        for record in self.values():
+            yield record.shard, record
+
+    def as_dict(self) -> dict[str, CommitRecord]:
+        return {record.shard: record for record in self.values()}
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        if name in self._items:
+            return self._items.pop(name)
+        if self._in_blocks(name) is not None:
+            self.explode()
+            return self._items.pop(name)
+        return default
+
+    def __setitem__(self, name: str, record: CommitRecord) -> None:
+        if name not in self._items and self._in_blocks(name) is not None:
+            self.explode()
+        self._items[name] = record
