@@ -214,6 +214,20 @@ def scan_new_shards(
             path = paths[name] = store.shard_path(run_id, name)
         return path
 
+    def finish_commits(run_id: str) -> None:
+        """Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a crash
+        (finish it). Skipping it would let a retried post be stored a second time. Sizes are looked at again."""
+        try:
+            store.finish_commits(run_id)
+        except (OSError, StoreError) as error:
+            logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
+        sizes.clear()
+
+    def report_once(what: str, path: Path | str, error: Exception) -> None:
+        if str(path) not in reported:
+            reported.add(str(path))
+            logger.error("%s %s left out of serving: %s", what, path, error)
+
     def inside_blocks(run_id: str, file: str, start: int, end: int) -> bool:
         return covered(known_blocks, run_id, file, start, end) is True or covered(taken, run_id, file, start, end) is True
 
@@ -251,11 +265,7 @@ def scan_new_shards(
                 path = path_of(run_id, record.file)
                 if not finished and size_of(path) is None:  # logged, not yet renamed into place: finish it
                     finished = True
-                    try:
-                        store.finish_commits(run_id)
-                    except (OSError, StoreError) as error:
-                        logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
-                    sizes.clear()
+                    finish_commits(run_id)
                 try:
                     if size_of(path) is None:
                         raise FileNotFoundError(f"{path} does not exist")
@@ -263,9 +273,7 @@ def scan_new_shards(
                                          index_summary(run_id, record.file) if index_summary else None)
                 except (OSError, pa.ArrowException) as error:
                     again_blocks.append(record)
-                    if str(path) not in reported:
-                        reported.add(str(path))
-                        logger.error("compacted file %s left out of serving: %s", path, error)
+                    report_once("compacted file", path, error)
                     continue
                 found.append(NewBlock(run_id, record.file, path, record.first, record.rows, index, record))
                 again_blocks.append(record)
@@ -284,16 +292,10 @@ def scan_new_shards(
                 continue  # indexed as a member of a block
             path = path_of(run_id, record.physical)
             if not finished and size_of(path) is None:
-                # Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a
-                # crash (finish it). Skipping it would let a retried post be stored a second time.
                 finished = True
-                try:
-                    store.finish_commits(run_id)
-                except (OSError, StoreError) as error:
-                    logger.error("cannot finish the interrupted commits of run %s: %s", run_id, error)
+                finish_commits(run_id)
                 record = store.record(run_id, name) or record
                 path = path_of(run_id, record.physical)
-                sizes.clear()
             try:
                 if not record.file:
                     size = size_of(path)
@@ -305,9 +307,7 @@ def scan_new_shards(
                 index = indexes.file(path, record.row_offset, record.rows, summary)
             except (OSError, pa.ArrowException) as error:
                 again.add(name)
-                if str(path) not in reported:
-                    reported.add(str(path))
-                    logger.error("shard %s left out of serving: %s", path, error)
+                report_once("shard", path, error)
                 continue
             found.append(NewShard(run_id, name, path, record.rows, index, record.row_offset))
             again.add(name)

@@ -290,6 +290,7 @@ class BatchService:
         ranges: list[tuple[Any, int, Any, int]] = []
         pending_blocks = iter(blocks)
         block = next(pending_blocks, None)
+        summary = getattr(self.store, "index_summary", None) if blocks else None  # an idle service: no store loaded
 
         def add_blocks_before(source: int | None) -> None:
             """Blocks indexed before `source` (None: all that are left), in arrival order."""
@@ -299,7 +300,6 @@ class BatchService:
                 block = next(pending_blocks, None)
                 path = self.store.shard_path(run_id, file)
                 self._add_block(first_source, run_id, file, path, first, member_rows)
-                summary = getattr(self.store, "index_summary", None)
                 try:
                     table = indexes.file(path, first, int(member_rows.sum()), summary(run_id, file) if summary else None)
                 except OSError as error:

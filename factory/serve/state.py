@@ -54,6 +54,18 @@ class BlockRows:
     rows: Any
     """numpy int64 array (numpy is imported only where blocks are: an idle service loads neither it nor pyarrow)."""
 
+    @property
+    def span(self) -> int:
+        """Source ids the block takes (at least one, so an empty block still has an id of its own)."""
+        return max(1, len(self.rows))
+
+
+def _member_rows_blob(rows: Any) -> bytes:
+    """A block's rows of each member as stored in `source_blocks.member_rows` (little-endian int64)."""
+    import numpy as np
+
+    return np.ascontiguousarray(rows, dtype="<i8").tobytes()
+
 
 class ServedState:
     """Registration, envs, indexed shards and taken groups, persisted in one SQLite file."""
@@ -136,32 +148,26 @@ class ServedState:
         """Replace runs of shards indexed one by one by blocks, in one transaction: each (first source id, run_id,
         file, first row, rows of each member) stands for the sources `first ..` (consecutive ids, the members of
         a compacted file in its order); their ids, and so the groups taken from them, stay as they are."""
-        import numpy as np
-
         with self._transaction():
             for first, run_id, file, first_row, rows in blocks:
                 self.db.execute(
                     "INSERT INTO source_blocks (first_source, run_id, file, first_row, members, member_rows) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (first, run_id, file, first_row, len(rows), np.ascontiguousarray(rows, dtype="<i8").tobytes()))
+                    "VALUES (?, ?, ?, ?, ?, ?)", (first, run_id, file, first_row, len(rows), _member_rows_blob(rows)))
                 self.db.execute("DELETE FROM sources WHERE source_id BETWEEN ? AND ?", (first, first + len(rows) - 1))
 
     def _insert_sources(self, shards: Sequence[tuple[str, str, int | BlockRows, Iterable[str]]],
                         first: int) -> tuple[list[int], int, int]:
         """Insert `shards` (see add_sources) with ids from `first` on, skipping those indexed before; returns
         (their ids, rows inserted, rows meant to be)."""
-        import numpy as np
-
         at = first
         ids: list[int] = []
         rows_of_shards, rows_of_blocks = [], []
         for run_id, shard, rows, _ in shards:
             ids.append(at)
             if isinstance(rows, BlockRows):
-                members = len(rows.rows)
-                rows_of_blocks.append((at, run_id, shard, int(rows.first), members,
-                                       np.ascontiguousarray(rows.rows, dtype="<i8").tobytes()))
-                at += max(1, members)
+                rows_of_blocks.append(
+                    (at, run_id, shard, int(rows.first), len(rows.rows), _member_rows_blob(rows.rows)))
+                at += rows.span
             else:
                 rows_of_shards.append((at, run_id, shard, rows))
                 at += 1
@@ -219,7 +225,7 @@ class ServedState:
                     continue
                 self._insert_sources([entry], at)
                 ids.append(at)
-                at += max(1, len(rows.rows)) if isinstance(rows, BlockRows) else 1
+                at += rows.span if isinstance(rows, BlockRows) else 1
         return ids
 
     # ---- posted group ids (a client retrying after a crash must not add a group twice) ----
