@@ -15,26 +15,12 @@ import numpy as np
 import pyarrow as pa
 
 from factory.schema import GROUP_SCHEMA
+from factory.store_records import column, int64_values
 
 INDEX_COLUMNS = ["env", "env_id", "policy_version", "group_size"]
 _INDEX_SCHEMA = pa.schema([GROUP_SCHEMA.field(name) for name in INDEX_COLUMNS])
 MAX_RUNS = 4096
 """A summary of more runs than this (or than a tenth of the file's rows) is not written."""
-
-
-def _int64s(column: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """(values, validity or None) of an integer column, from its buffers (pyarrow's to_numpy imports pandas)."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if array.type != pa.int64():
-        array = array.cast(pa.int64())
-    if not len(array):
-        return np.zeros(0, np.int64), None
-    validity_buffer, data = array.buffers()[:2]
-    values = np.frombuffer(data, dtype=np.int64, count=array.offset + len(array))[array.offset:]
-    if not array.null_count:
-        return values, None
-    bits = np.unpackbits(np.frombuffer(validity_buffer, dtype=np.uint8), bitorder="little")
-    return values, bits[array.offset:array.offset + len(array)].astype(bool)
 
 
 def summarize(index: pa.Table) -> dict[str, Any] | None:
@@ -44,12 +30,11 @@ def summarize(index: pa.Table) -> dict[str, Any] | None:
 
     rows = index.num_rows
     encoded = pc.dictionary_encode(index.column("env")).combine_chunks()
-    envs, _ = _int64s(encoded.indices)
-    env_ids, valid = _int64s(index.column("env_id"))
-    if valid is not None:
-        env_ids = np.where(valid, env_ids, np.iinfo(np.int64).min)
-    versions, _ = _int64s(index.column("policy_version"))
-    sizes, _ = _int64s(index.column("group_size"))
+    null = np.iinfo(np.int64).min
+    envs = int64_values(encoded.indices)
+    env_ids = int64_values(index.column("env_id"), null)
+    versions = int64_values(index.column("policy_version"))
+    sizes = int64_values(index.column("group_size"))
     if not rows:
         return {"env": [], "runs": []}
     change = np.zeros(rows, dtype=bool)
@@ -60,7 +45,6 @@ def summarize(index: pa.Table) -> dict[str, Any] | None:
     if len(starts) > min(MAX_RUNS, max(1, rows // 10)):
         return None
     counts = np.diff(np.append(starts, rows))
-    null = np.iinfo(np.int64).min
     runs = [[int(e), None if i == null else int(i), int(v), int(s), int(c)]
             for e, i, v, s, c in zip(envs[starts], env_ids[starts], versions[starts], sizes[starts], counts)]
     return {"env": encoded.dictionary.to_pylist(), "runs": runs}
@@ -78,13 +62,6 @@ def _array(type_: pa.DataType, values: np.ndarray, valid: np.ndarray | None = No
     return pa.Array.from_buffers(type_, len(values), [pa.py_buffer(bits), pa.py_buffer(values)], int((~valid).sum()))
 
 
-def _strings(values: list[str]) -> pa.Array:
-    data = [value.encode() for value in values]
-    offsets = np.zeros(len(data) + 1, dtype=np.int32)
-    np.cumsum([len(d) for d in data], out=offsets[1:])
-    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
-
-
 def table_of(summary: dict[str, Any]) -> pa.Table:
     """The index columns the runs stand for (types as GROUP_SCHEMA's), made without pyarrow's pandas-importing
     constructors."""
@@ -95,7 +72,7 @@ def table_of(summary: dict[str, Any]) -> pa.Table:
     valid = np.repeat(np.array([run[1] is not None for run in runs], dtype=bool), counts)
     versions = np.repeat(np.array([run[2] for run in runs], dtype=np.int64), counts)
     sizes = np.repeat(np.array([run[3] for run in runs], dtype=np.int32), counts)
-    env = _strings(summary["env"]).take(_array(pa.int32(), envs))
+    env = column(summary["env"], pa.string()).take(_array(pa.int32(), envs))
     return pa.Table.from_arrays(
         [env, _array(pa.int64(), ids, valid), _array(pa.int64(), versions), _array(pa.int32(), sizes)],
         schema=_INDEX_SCHEMA)

@@ -116,22 +116,11 @@ def _bulk_load(sources: dict[int, Any]) -> Any:
 
 
 def _int64s(column: Any, null: int = 0) -> Any:
-    """A pyarrow integer column as a numpy int64 array (nulls as `null`), read from its buffers: pyarrow's own
-    to_numpy (and pa.scalar, pa.array) import pandas, ~0.4 s of a start-up that otherwise never needs it."""
-    import numpy as np
-    import pyarrow as pa
+    """A pyarrow integer column as a numpy int64 array, nulls as `null` (`store_records.int64_values`, imported
+    only here: an idle service loads neither numpy nor pyarrow)."""
+    from factory.store_records import int64_values
 
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if array.type != pa.int64():
-        array = array.cast(pa.int64())
-    validity, data = array.buffers()[:2]
-    start, count = array.offset, len(array)
-    values = np.frombuffer(data, dtype=np.int64, count=start + count)[start:] if count else np.zeros(0, np.int64)
-    if array.null_count:
-        bits = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")
-        valid = bits[start:start + count].astype(bool)
-        values = np.where(valid, values, null)
-    return values
+    return int64_values(column, null)
 
 
 class BatchService:
