@@ -309,8 +309,7 @@ def _index_summary(path: Path, rows: int) -> dict[str, Any] | None:
     except (OSError, pa.ArrowException) as error:
         logger.warning("no index summary for %s: %s", path, error)
         return None
-    summary = summarize(index) if index.num_rows == rows else None
-    return summary
+    return summarize(index) if index.num_rows == rows else None
 
 
 def _remove(paths: list[str]) -> None:
