@@ -37,33 +37,29 @@ from factory.run_logging import outcome_warning, project_logs_to_run
 from factory.run_outcome import final_result, pipeline_failed_here, raise_if_target_missed
 from factory.slurm_cluster import ClusterFault
 from flows import datagen_cli
-from tasks.generate import generate_task
-from tasks.group import group_task
-from tasks.score import score_task
+from tasks.rollout import rollout_task
 from tasks.scoring_pool import ScorerPool
-from tasks.shards import write_shard_task
-
-
-def write_shard_and_wait(*args: Any) -> Any:
-    return write_shard_task.submit(*args).result()
+from tasks.shards import write_shard_retrying
 
 
 @flow(name="datagen-pipeline", log_prints=False, on_failure=[close_current], on_crashed=[close_current])
 def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     """Run the chunks of one job that are not committed yet; return the summary."""
-    run = DatagenRun.open(ref, config, get_run_logger(), write_shard=write_shard_and_wait)
+    run = DatagenRun.open(ref, config, get_run_logger(), write_shard=write_shard_retrying)
     cfg, d = run.cfg, run.cfg.datagen
     if run.score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
         # Start the scorer processes now, while the first chunk is generating.
         threading.Thread(target=ScorerPool.get, args=(d.score_workers,), daemon=True).start()
     # Plan commits the chunks the in-flight window holds back and waits out backpressure; None: done or stopping.
-    while (chunk := run.plan_next()) is not None:
-        generated = generate_task.submit(run.spec, chunk.indices, cfg.openai, tokenizer_name=cfg.env.tokenizer_name,
-                                         api=d.sampling_api, max_in_flight=d.max_in_flight, plan=chunk.plan)
-        scored = score_task.submit(run.spec, generated, timeout_s=d.score_timeout_s, workers=d.score_workers,
-                                   mode=run.score_mode)
-        grouped = group_task.submit(run.env_name, scored, **run.group_options)
-        run.in_flight(chunk, grouped, upstream=(generated, scored))
+    while (planned := run.plan_next()) is not None:
+        # generate -> score -> group: one task run per chunk, on the worker that generates it
+        grouped = rollout_task.submit(
+            run.spec, run.env_name, planned.chunk, planned.indices, cfg.openai,
+            generate=dict(tokenizer_name=cfg.env.tokenizer_name, api=d.sampling_api, max_in_flight=d.max_in_flight,
+                          plan=planned.plan),
+            score=dict(timeout_s=d.score_timeout_s, workers=d.score_workers, mode=run.score_mode),
+            group=run.group_options)
+        run.in_flight(planned, grouped)  # committed in order, in this process (write_shard_retrying)
     run.commit_remaining()  # after a stop signal: only the chunks that finish within the grace period
     return run.outcome()
 

@@ -21,15 +21,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_messages
 from factory.datagen.heap import freeze_startup_heap
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.health import EndpointsDown
 from factory.inference.types import Completion, SamplingParams
-from factory.run_logging import logs_to_task_run
 from factory.slurm_cluster import resolve_node_local, worker_identity
 
 logger = logging.getLogger(__name__)
@@ -309,14 +306,3 @@ def generate_chunk(
             f"check that openai.base_url {openai.base_url} is up"
         )
     return result
-
-
-def retry_unless_endpoints_down(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition: a chunk is retried, unless every endpoint has been down for openai.down_after_s."""
-    return not isinstance(getattr(state, "data", None), EndpointsDown)
-
-
-generate_task = task(
-    logs_to_task_run(generate_chunk), name="generate", task_run_name="generate-chunk", retries=2,
-    retry_delay_seconds=[5, 30], cache_policy=NO_CACHE, retry_condition_fn=retry_unless_endpoints_down,
-)

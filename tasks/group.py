@@ -14,12 +14,9 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from environments.base import Item, Rollout
 from environments.groups import MASK_IGNORE, ScoredGroup, make_group_id
-from factory.run_logging import logs_to_task_run
 from tasks.generate import GeneratedChunk
 
 logger = logging.getLogger(__name__)
@@ -190,6 +187,3 @@ def group_generated(
     grouped.generate_s, grouped.generate_started_at = chunk.generate_s, chunk.started_at
     grouped.worker = getattr(chunk, "worker", {})
     return grouped
-
-
-group_task = task(logs_to_task_run(group_generated), name="group", task_run_name="group-{env}", cache_policy=NO_CACHE)

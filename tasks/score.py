@@ -19,11 +19,8 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from environments.base import EnvSpec, Item, Rollout
-from factory.run_logging import logs_to_task_run
 from tasks.generate import GeneratedChunk
 from tasks.scoring_pool import ScorerPool, score_item
 
@@ -81,9 +78,3 @@ def score_generated(
     """`score_chunk` over a generated chunk, returned with scores filled in (the pipeline's score step)."""
     score_chunk(spec, chunk.items, chunk.rollouts, timeout_s=timeout_s, workers=workers, mode=mode)
     return chunk
-
-
-score_task = task(
-    logs_to_task_run(score_generated), name="score", task_run_name="score-chunk", retries=1, retry_delay_seconds=2,
-    cache_policy=NO_CACHE,
-)

@@ -3,7 +3,9 @@ shared `ShardStore`, or an `ObjectShardStore` for an s3:// root)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -17,6 +19,28 @@ from factory.store_object import open_store
 def write_shard(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup]) -> CommitRecord:
     """Commit `groups` as the shard of (run, producer, chunk); a committed chunk is skipped."""
     return open_store(root).commit(run_id, producer, chunk, groups)
+
+
+def write_shard_retrying(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup], *,
+                         delays_s: Sequence[float] = (1.0, 5.0), sleep: Callable[[float], None] = time.sleep,
+                         logger: logging.Logger | None = None) -> CommitRecord:
+    """`write_shard`, retried after each of `delays_s` when it raises, each retry logged as a warning.
+
+    The datagen flow commits in its own process with this instead of a task run per chunk (the same retries as
+    `write_shard_task`, without its Prefect engine and server cost); a retry is safe because a committed chunk
+    is skipped.
+    """
+    for attempt in range(len(delays_s) + 1):
+        try:
+            return write_shard(root, run_id, producer, chunk, groups)
+        except Exception as error:
+            if attempt == len(delays_s):
+                raise
+            (logger or logging.getLogger(__name__)).warning(
+                "chunk %d: shard commit failed (%s: %s); retry %d of %d in %gs", chunk, type(error).__name__, error,
+                attempt + 1, len(delays_s), delays_s[attempt])
+            sleep(delays_s[attempt])
+    raise AssertionError("unreachable")
 
 
 write_shard_task = task(

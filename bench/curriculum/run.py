@@ -47,9 +47,7 @@ def run_arm(base_url: str, model: str, *, seed: int, items: int, chunk_items: in
     from factory.inference.client import InferenceConfig
     from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
     from factory.store import ShardStore
-    from tasks.generate import generate_chunk
-    from tasks.group import group_generated
-    from tasks.score import score_generated
+    from tasks.rollout import rollout_chunk
 
     env_config = {"group_size": group_size, "max_tokens": 24, "max_token_length": 256, "temperature": 1.0,
                   "difficulties": [1], "seed": seed, "tokenizer_name": model}
@@ -65,10 +63,10 @@ def run_arm(base_url: str, model: str, *, seed: int, items: int, chunk_items: in
         rollouts = kept = tried = 0
         started = time.perf_counter()
         while (chunk := sampler.next_chunk()) is not None:
-            generated = generate_chunk(spec, sampler.indices(chunk), openai, tokenizer_name=model, api="generate",
-                                       max_in_flight=32, plan=sampler.plan_for(chunk))
-            grouped = group_generated("intern_bootcamp", score_generated(spec, generated, mode="inline"),
-                                      group_size=group_size, max_token_length=256)
+            grouped = rollout_chunk(spec, "intern_bootcamp", chunk, sampler.indices(chunk), openai,
+                                    generate=dict(tokenizer_name=model, api="generate", max_in_flight=32,
+                                                  plan=sampler.plan_for(chunk)),
+                                    score=dict(mode="inline"), group=dict(group_size=group_size, max_token_length=256))
             stats = {**grouped.stats(), "chunk": chunk, **sampler.chunk_stats(chunk, grouped)}
             store.write_run_file("bench", chunk_stats_name("ib", chunk), json.dumps(stats))
             store.commit("bench", "ib", chunk, grouped)

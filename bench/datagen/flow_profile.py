@@ -242,6 +242,29 @@ def main(argv: list[str] | None = None) -> None:
         print(stream.getvalue())
 
 
+def prefect_server_process(api_url: str) -> Any:
+    """The process listening on the Prefect API's port (psutil.Process), or None when it cannot be found."""
+    import psutil
+    from urllib.parse import urlparse
+
+    port = urlparse(api_url).port
+    for connection in psutil.net_connections("tcp"):
+        if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port and connection.pid:
+            return psutil.Process(connection.pid)
+    return None
+
+
+def process_cpu(process: Any) -> float:
+    """User + system CPU seconds of `process` and its children (NaN when unknown)."""
+    if process is None:
+        return float("nan")
+    total = 0.0
+    for each in (process, *process.children(recursive=True)):
+        times = each.cpu_times()
+        total += times.user + times.system
+    return total
+
+
 def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
     """A (`--versus` checkout) and B (this checkout) in alternating child processes against one Prefect server."""
     import json
@@ -261,19 +284,27 @@ def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
             child_args.append(arg)
     work = Path(tempfile.mkdtemp(prefix="bench-flowprof-versus-"))
     rounds = []
+    calls = 2 if args.smoke else args.calls
+    groups_per_call = min(args.groups, 32) if args.smoke else args.groups
     with harness.prefect_server(work / "prefect") as environ:
+        server = prefect_server_process(environ["PREFECT_API_URL"])
         for round_index in range(args.pairs):
             got = {}
             for name, checkout in sides.items():
                 env = {**os.environ, **environ, "PYTHONPATH": str(checkout)}
+                server_cpu = process_cpu(server)
                 done = subprocess.run([sys.executable, __file__, *child_args, "--record-line"], env=env,
                                       capture_output=True, text=True, cwd=checkout)
                 if done.returncode:
                     raise SystemExit(f"side {name} failed: {done.stderr[-2000:]}")
+                time.sleep(2.0)  # the server records the child's last task-run events after the child has exited
                 line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith('{"flow_us"'))
                 got[name] = json.loads(line)  # the record line; Prefect's log lines may follow it
+                got[name]["server_us"] = 1e6 * (process_cpu(server) - server_cpu) / (groups_per_call * calls)
                 print(f"round {round_index} side {name}: flow {[round(x) for x in got[name]['flow_us']]} us/group, "
-                      f"plain {[round(x) for x in got[name]['plain_us']]}, load {got[name]['load1']:.1f}", flush=True)
+                      f"plain {[round(x) for x in got[name]['plain_us']]}, Prefect server "
+                      f"{got[name]['server_us']:.0f} us/group (all {calls} calls), load {got[name]['load1']:.1f}",
+                      flush=True)
             rounds.append(got)
     import shutil
 
@@ -287,13 +318,15 @@ def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
             flow, plain = median(side["flow_us"]), median(side["plain_us"]) if side["plain_us"] else float("nan")
             cells += [f"{flow:.0f}", f"{plain:.0f}", f"{100 * (1 - plain / flow):.0f}%"]
         same = (a["sha256"] == b["sha256"] and len(a["sha256"]) == 1
-                and set(a["rows"]) == set(b["rows"]) == {args.groups})
-        cells += [f"{median(a['flow_us']) / median(b['flow_us']):.2f}x", "yes" if same else "NO",
+                and set(a["rows"]) == set(b["rows"]) == {groups_per_call})
+        cells += [f"{a['server_us']:.0f}", f"{b['server_us']:.0f}",
+                  f"{median(a['flow_us']) / median(b['flow_us']):.2f}x", "yes" if same else "NO",
                   b["sha256"][0][:16] if b["sha256"] else "-", f"{a['load1']:.1f}/{b['load1']:.1f}"]
         rows.append(cells)
     harness.print_table(["round", "A flow us/group", "A plain", "A orch.", "B flow us/group", "B plain", "B orch.",
-                         "A/B flow", "same rows", "content sha256", "load A/B"], rows,
-                        title=f"warm flow calls, A ({args.versus}) vs B (this checkout), {args.groups} groups, "
+                         "A server us/group", "B server us/group", "A/B flow", "same rows", "content sha256",
+                          "load A/B"], rows,
+                        title=f"warm flow calls, A ({args.versus}) vs B (this checkout), {groups_per_call} groups, "
                               f"A,B interleaved; median of each side's warm calls per round")
     if not all(row[-3] == "yes" for row in rows):
         raise SystemExit("A and B wrote different rows")

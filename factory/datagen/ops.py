@@ -79,7 +79,6 @@ class RunOps:
         self.progress: ChunkProgress | None = None
         self.target_groups: int | None = d.target_groups
         self._progress_artifact: Any = None
-        self._upstream: dict[int, tuple[Any, ...]] = {}
         self.runner = _current_task_runner()
 
     @classmethod
@@ -144,35 +143,21 @@ class RunOps:
 
     # ---- futures -----------------------------------------------------------------------------------------------
 
-    def submitted(self, grouped: Any, *upstream: Any) -> None:
-        self._upstream[id(grouped)] = upstream
-
     def result(self, grouped: Any) -> Any:
-        """The chunk's result; when it failed, the first failed upstream task's own error (not UnfinishedRun).
+        """The chunk's result (raises the rollout task's own error when it failed).
 
         On a task runner that can tell a fault (SlurmTaskRunner: a worker job died on start-up), waiting is in
         one-second steps, and a fault fails the runs at once, without retries: no worker would ever come.
         """
-        upstream = self._upstream.pop(id(grouped), ())
-        try:
-            if not hasattr(self.runner, "fault"):
-                return grouped.result()
-            while True:
-                try:
-                    return grouped.result(timeout=1.0)
-                except TimeoutError:
-                    if fault := self.runner.fault():
-                        set_state(self.runs, "Failed", fault)
-                        raise ClusterFault(fault) from None
-        except ClusterFault:
-            raise
-        except Exception:
-            for future in upstream:
-                future.wait()
-                state = future.state
-                if state is not None and (state.is_failed() or state.is_crashed()):
-                    future.result()  # raises the cause
-            raise
+        if not hasattr(self.runner, "fault"):
+            return grouped.result()
+        while True:
+            try:
+                return grouped.result(timeout=1.0)
+            except TimeoutError:
+                if fault := self.runner.fault():
+                    set_state(self.runs, "Failed", fault)
+                    raise ClusterFault(fault) from None
 
     # ---- progress ----------------------------------------------------------------------------------------------
 

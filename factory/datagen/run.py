@@ -235,9 +235,8 @@ class DatagenRun:
             self.committer.session["paused_ms"] += round(self.backpressure.wait(self.logger) * 1000)
         return PlannedChunk(chunk, indices, self.sampler.plan_for(chunk))
 
-    def in_flight(self, planned: PlannedChunk, grouped: Any, *, upstream: tuple[Any, ...] = ()) -> None:
-        """A chunk was submitted; `upstream` futures name the cause when its groups fail."""
-        self.ops.submitted(grouped, *upstream)
+    def in_flight(self, planned: PlannedChunk, grouped: Any) -> None:
+        """A chunk's rollout task was submitted; it is committed in order by `plan_next` or `commit_remaining`."""
         self.window.add(planned, grouped)
 
     # ---- commit -----------------------------------------------------------------------------------------------

@@ -119,10 +119,8 @@ def test_the_datagen_tasks_hash_no_inputs_for_a_cache_key():
     """Prefect's default cache policy cloudpickles a task's inputs (a whole chunk of groups) for a key nobody reads."""
     from prefect.cache_policies import NO_CACHE
 
-    from tasks.generate import generate_task
-    from tasks.group import group_task
-    from tasks.score import score_task
+    from tasks.rollout import rollout_task
     from tasks.shards import write_shard_task
 
-    for task in (generate_task, score_task, group_task, write_shard_task):
+    for task in (rollout_task, write_shard_task):
         assert task.cache_policy is NO_CACHE, task.name

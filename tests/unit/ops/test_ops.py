@@ -141,34 +141,3 @@ def test_owner_file_crashes_runs_of_a_dead_owner_and_refuses_a_live_one(tmp_path
     finally:
         alive.kill()
         alive.wait()
-
-
-def test_a_failed_chunk_raises_the_upstream_cause_not_unfinished_run():
-    from prefect.exceptions import UnfinishedRun
-    from prefect.states import Completed, Failed, Pending
-
-    from factory.datagen.ops import RunOps
-
-    class Future:
-        def __init__(self, state, error=None):
-            self.state, self.error = state, error
-
-        def wait(self, timeout=None):
-            pass
-
-        def result(self):
-            if self.error:
-                raise self.error
-            return "ok"
-
-    cause = RuntimeError("12 of 12 items failed to generate; check that openai.base_url http://x is up")
-    ops = RunOps.__new__(RunOps)
-    ops._upstream, ops.runner = {}, None  # a thread-pool run: no runner that can name a worker fault
-    generated, scored = Future(Failed(), cause), Future(Pending(), UnfinishedRun("Run is in PENDING state"))
-    grouped = Future(Pending(), UnfinishedRun("Run is in PENDING state"))
-    ops.submitted(grouped, generated, scored)
-    with pytest.raises(RuntimeError, match="check that openai.base_url"):
-        ops.result(grouped)
-    fine = Future(Completed())
-    ops.submitted(fine, Future(Completed()), Future(Completed()))
-    assert ops.result(fine) == "ok" and ops._upstream == {}

@@ -1,0 +1,44 @@
+"""One chunk's rollouts: generate -> score -> group, as one Prefect task run.
+
+The three steps are the plain functions of tasks/generate.py, tasks/score.py and tasks/group.py, called in
+order on the worker that generated the chunk. They used to be three task runs per chunk (four with the shard
+commit): each task run costs the flow ~8-10 ms of Prefect engine CPU (90-160 ms through prefect-dask) and the
+Prefect server ~57 ms of CPU, which on an 8-item chunk was a third of the flow's CPU and half a core of the local
+server during the RL loop (bench/RESULTS.md, issues 25 and 33). One run per chunk also keeps a chunk's rollouts
+on the worker that made them until they are grouped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from environments.base import EnvSpec
+from factory.inference.client import InferenceConfig
+from factory.run_logging import logs_to_task_run
+from factory.inference.health import EndpointsDown
+from tasks.generate import generate_chunk
+from tasks.group import GroupedChunk, group_generated
+from tasks.score import score_generated
+
+
+def rollout_chunk(spec: EnvSpec, env: str, chunk: int, indices: Sequence[int], openai: InferenceConfig, *,
+                  generate: dict[str, Any], score: dict[str, Any], group: dict[str, Any]) -> GroupedChunk:
+    """The groups of chunk `chunk` (items at `indices`): keyword dicts are each step's options."""
+    generated = generate_chunk(spec, indices, openai, **generate)
+    scored = score_generated(spec, generated, **score)
+    return group_generated(env, scored, **group)
+
+
+def retry_unless_endpoints_down(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition: a chunk is retried, unless every endpoint has been down for openai.down_after_s."""
+    return not isinstance(getattr(state, "data", None), EndpointsDown)
+
+
+rollout_task = task(
+    logs_to_task_run(rollout_chunk), name="rollout", task_run_name="rollout-{env}-{chunk}", retries=2,
+    retry_delay_seconds=[5, 30], cache_policy=NO_CACHE, retry_condition_fn=retry_unless_endpoints_down,
+)
