@@ -7,7 +7,8 @@ that names neither Prefect nor where it was expected.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 
 def prefect_api_url() -> str | None:
@@ -89,7 +90,69 @@ def outage_environ(window_s: float | None = None) -> dict[str, str]:
     return {"PREFECT_CLIENT_MAX_RETRIES": os.environ.get("PREFECT_CLIENT_MAX_RETRIES", str(client_max_retries(window_s)))}
 
 
+def client_outage_window_s() -> float:
+    """Seconds of outage this process's Prefect client rides out (PREFECT_CLIENT_MAX_RETRIES's back-off)."""
+    try:
+        from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+
+        return float(ridden_out_s(int(PREFECT_CLIENT_MAX_RETRIES.value())))
+    except Exception:  # noqa: BLE001 - settings that do not load: the environment, else Prefect's default of 5
+        return float(ridden_out_s(int(os.environ.get("PREFECT_CLIENT_MAX_RETRIES") or 5)))
+
+
+class ApiWatch:
+    """Whether the Prefect API still answers, for a run whose data path makes no API call of its own.
+
+    A datagen chunk is one task run whose states Prefect reports as events, in the background; nothing in the data
+    path waits on the API, so without a check a run would go on while the API is gone and only fail at its end.
+    `check()` is called between chunks: at most every `every_s` it GETs /health (one cheap request, 1 s timeout);
+    once the API has not answered for `window_s` (the client's own retry window) it raises `PrefectApiGone`,
+    chained to the failed request, so the run ends with `describe_prefect_outage`'s line. While the API is down,
+    `best_effort` reports are skipped instead of each waiting out the client's retries.
+    """
+
+    def __init__(self, api_url: str, *, window_s: float | None = None, every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, probe: Callable[[str], None] | None = None) -> None:
+        self.health_url = api_url.rstrip("/") + "/health"
+        self.window_s = client_outage_window_s() if window_s is None else window_s
+        self.every_s, self.clock = every_s, clock
+        self.probe = probe or _get_health
+        self.last_probe: float | None = None
+        self.down_since: float | None = None
+        self.last_error: BaseException | None = None
+
+    def check(self) -> None:
+        now = self.clock()
+        if self.last_probe is not None and now - self.last_probe < self.every_s:
+            return
+        self.last_probe = now
+        global _api_down
+        try:
+            self.probe(self.health_url)
+        except Exception as error:  # noqa: BLE001 - any failure to get an answer counts as down
+            self.last_error = error
+            if self.down_since is None:
+                self.down_since = now
+            _api_down = True
+            if now - self.down_since >= self.window_s:
+                raise PrefectApiGone(f"no answer from {self.health_url} for {now - self.down_since:.0f}s") from error
+        else:
+            self.down_since, self.last_error, _api_down = None, None, False
+
+
+class PrefectApiGone(RuntimeError):
+    """The Prefect API has not answered for the run's outage window (its cause is the last failed request)."""
+
+
+def _get_health(url: str) -> None:
+    import httpx
+
+    httpx.get(url, timeout=1.0).raise_for_status()
+
+
 _reported: set[str] = set()
+_api_down = False
+"""Set by ApiWatch while the API does not answer: best_effort reports are skipped, not retried for minutes."""
 
 
 def best_effort(call, *args, what: str = "a progress report", **kwargs):
@@ -99,6 +162,8 @@ def best_effort(call, *args, what: str = "a progress report", **kwargs):
 
     import httpx
 
+    if _api_down:
+        return None
     try:
         return call(*args, **kwargs)
     except (httpx.TransportError, httpx.HTTPStatusError, OSError) as error:

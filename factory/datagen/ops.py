@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from factory.prefect_outage import ApiWatch, prefect_api_url
 from factory.progress import PROGRESS_PREFIX, ChunkProgress
 from factory.slurm_cluster import ClusterFault
 from factory.run_control import RunOwner, current_flow_run_id, set_state
@@ -80,6 +81,13 @@ class RunOps:
         self.target_groups: int | None = d.target_groups
         self._progress_artifact: Any = None
         self.runner = _current_task_runner()
+        api_url = prefect_api_url() if self.own_run else None
+        self.api_watch = ApiWatch(api_url) if api_url else None
+        """Fails the run once the Prefect API has been gone for the client's retry window (checked between chunks)."""
+
+    def check_prefect_api(self) -> None:
+        if self.api_watch is not None:
+            self.api_watch.check()
 
     @classmethod
     def start(cls, store: Any, cfg: Any, logger: Any) -> RunOps:

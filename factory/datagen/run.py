@@ -223,6 +223,7 @@ class DatagenRun:
             self._commit_oldest()
         if self.stopping:
             return None
+        self.ops.check_prefect_api()  # nothing in a chunk's data path waits on the API: notice an outage here
         chunk = self.sampler.next_chunk()
         if chunk is None:
             return None

@@ -100,3 +100,55 @@ def test_the_outage_line_stays_last_and_whole_when_other_threads_write_to_stderr
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1] == "error: the Prefect API at http://127.0.0.1:9/api stopped answering", done.stderr[-500:]
+
+
+def test_the_api_watch_fails_a_run_once_the_api_is_gone_for_its_window_naming_the_api():
+    import socket
+
+    from factory import prefect_outage
+    from factory.prefect_outage import ApiWatch, PrefectApiGone, best_effort, describe_prefect_outage
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        api = f"http://127.0.0.1:{s.getsockname()[1]}/api"
+    now = [100.0]
+    watch = ApiWatch(api, window_s=14, every_s=5, clock=lambda: now[0])
+    try:
+        watch.check()  # first failure: down, within the window
+        assert watch.down_since == 100.0
+        reports = []
+        assert best_effort(reports.append, "progress") is None and reports == []  # skipped while down, no retries
+        now[0] += 3
+        watch.check()  # not probed again within every_s
+        now[0] += 11.5
+        with pytest.raises(PrefectApiGone) as raised:
+            watch.check()
+        line = describe_prefect_outage(raised.value, api)
+        assert line and line.startswith(f"the Prefect API at {api} stopped answering")
+    finally:
+        prefect_outage._api_down = False
+
+
+def test_the_api_watch_forgets_an_outage_shorter_than_its_window():
+    from factory import prefect_outage
+    from factory.prefect_outage import ApiWatch
+
+    answers = iter([OSError("refused"), OSError("refused"), None, OSError("refused")])
+
+    def probe(url):
+        if (answer := next(answers)) is not None:
+            raise answer
+
+    now = [0.0]
+    watch = ApiWatch("http://prefect/api", window_s=14, every_s=5, clock=lambda: now[0], probe=probe)
+    try:
+        for step in range(4):
+            watch.check()
+            now[0] += 6
+        assert watch.down_since == 18.0 and prefect_outage._api_down  # the last failure starts a new window
+        reports = []
+        prefect_outage._api_down = False
+        prefect_outage.best_effort(reports.append, "progress")
+        assert reports == ["progress"]
+    finally:
+        prefect_outage._api_down = False
