@@ -123,6 +123,60 @@ def _int64s(column: Any, null: int = 0) -> Any:
     return int64_values(column, null)
 
 
+def _ints(column: Any, null: int = 0) -> Any:
+    """A pyarrow int32 (or narrower) column as a numpy int32 array, nulls as `null`, with no 64-bit copy
+    (`store_records.int32_values`)."""
+    from factory.store_records import int32_values
+
+    return int32_values(column, null)
+
+
+def _taken_positions(taken: dict[int, set[int]], ids: Any, starts: Any, counts: Any) -> Any:
+    """Ascending positions, among groups queued source by source (`ids[i]` has `counts[i]` rows from position
+    `starts[i]`), of the rows `taken` lists; None if there are none. Sources queued in ascending id order (a
+    start-up's) are found by bisecting the taken ones into them, not by looking at every source."""
+    import numpy as np
+
+    keys = np.fromiter(taken, np.int64, len(taken))
+    if len(ids) > 1 and bool((ids[1:] > ids[:-1]).all()):
+        keys.sort()
+        at = np.searchsorted(ids, keys)
+        inside = at < len(ids)
+        at, keys = at[inside], keys[inside]
+        hits = at[ids[at] == keys]
+    else:
+        hits = np.flatnonzero(np.isin(ids, keys))
+    if not len(hits):
+        return None
+    positions = [start + row for i, start, count in zip(hits.tolist(), starts[hits].tolist(), counts[hits].tolist())
+                 for row in taken[int(ids[i])] if 0 <= row < count]
+    return np.unique(np.array(positions, dtype=np.int64)) if positions else None
+
+
+SPAN_GAP = 1 << 16
+"""Taken groups closer than this (positions in a start-up's queueing) are left out by one mask over the stretch
+between them; the groups between stretches are queued as they are, without a copy."""
+
+
+def _spans(drop: Any, total: int) -> list[tuple[int, int, Any]]:
+    """Positions `0..total` cut into (lo, hi, positions to leave out or None), in order: stretches around the
+    ascending `drop` positions, at most SPAN_GAP apart within one, and the untouched ones between them."""
+    import numpy as np
+
+    cuts = np.flatnonzero(np.diff(drop) > SPAN_GAP) + 1
+    spans: list[tuple[int, int, Any]] = []
+    at = 0
+    for out in np.split(drop, cuts):
+        lo, hi = int(out[0]), int(out[-1]) + 1
+        if lo > at:
+            spans.append((at, lo, None))
+        spans.append((lo, hi, out))
+        at = hi
+    if at < total:
+        spans.append((at, total, None))
+    return spans
+
+
 class BatchService:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -537,17 +591,13 @@ class BatchService:
         ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
         starts = np.cumsum(counts) - counts
         total = int(counts.sum())
-        sources = np.repeat(ids, counts)
-        rows = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        keep = None
-        if taken:
-            at_source = {int(source): (int(start), int(count))
-                         for source, start, count in zip(*(a[np.isin(ids, np.fromiter(taken, np.int64, len(taken)))]
-                                                           for a in (ids, starts, counts)))}
-            if at_source:
-                keep = np.ones(total, dtype=bool)
-                for source, (start, count) in at_source.items():
-                    keep[[start + row for row in taken[source] if 0 <= row < count]] = False
+        # 32-bit as the queue keeps them (no widening copy of every group's source and row); int64 arithmetic
+        # only for a call of 2**31 groups or more
+        wide = np.int64 if total >= 1 << 31 else np.int32
+        sources = np.repeat(ids.astype(np.int32), counts)
+        rows = np.arange(total, dtype=wide)
+        rows -= np.repeat(starts.astype(wide), counts)
+        drop = _taken_positions(taken, ids, starts, counts) if taken else None
         slices = []
         at = 0
         while at < len(ranges):
@@ -563,10 +613,11 @@ class BatchService:
             at = 0
             for part in slices:
                 end = at + part.num_rows
-                self._enqueue_rows(part, sources[at:end], rows[at:end], None if keep is None else keep[at:end])
+                part_drop = None if drop is None else drop[(drop >= at) & (drop < end)] - at
+                self._enqueue_rows(part, sources[at:end], rows[at:end], part_drop)
                 at = end
             return
-        self._enqueue_rows(index, sources, rows, keep)
+        self._enqueue_rows(index, sources, rows, drop)
 
     def _relocate(self, moved: list[Moved]) -> None:
         """Read shards a compaction merged while the service runs from the merged file: same rows, same (shard,
@@ -578,10 +629,11 @@ class BatchService:
             self._moved[source] = (shard.path, shard.row_offset)
             logger.info("shard %s/%s is now read from %s (compacted)", shard.run_id, shard.shard, shard.path)
 
-    def _enqueue_rows(self, index: Any, sources: Any, rows: Any, keep: Any = None) -> None:
+    def _enqueue_rows(self, index: Any, sources: Any, rows: Any, drop: Any = None) -> None:
         """Queue the groups of `index` (INDEX_COLUMNS, one row per group, in arrival order): group i is row
-        `rows[i]` of source `sources[i]`; `keep` (a mask), if given, leaves the others out (already taken). One
-        block per lane, not a Python object per group (see queue.py)."""
+        `rows[i]` of source `sources[i]`; `drop` (ascending positions), if given, leaves those out (already
+        taken). One block per lane, not a Python object per group (see queue.py); with `drop`, one per lane and
+        stretch of `_spans`: only the stretches around taken groups are copied without them."""
         import numpy as np
         import pyarrow.compute as pc
 
@@ -591,24 +643,32 @@ class BatchService:
         with_id = None
         if env_ids.null_count < len(env_ids):
             values = pc.unique(env_ids).drop_null()
-            codes = _int64s(pc.index_in(env_ids, value_set=values), null=-1)
-            table = np.array([self.queue.lane(("id", value)) for value in values.to_pylist()] + [-1], dtype=np.int64)
+            codes = _ints(pc.index_in(env_ids, value_set=values), null=-1)
+            table = np.array([self.queue.lane(("id", value)) for value in values.to_pylist()] + [-1], dtype=np.int32)
             lanes = table[codes]
             with_id = codes >= 0
         if with_id is None or not with_id.all():
             encoded = pc.dictionary_encode(index.column("env")).combine_chunks()
             names = encoded.dictionary.to_pylist()
-            table = np.array([self.queue.lane(("name", name)) for name in names], dtype=np.int64)
-            by_name = table[_int64s(encoded.indices)]
+            table = np.array([self.queue.lane(("name", name)) for name in names], dtype=np.int32)
+            by_name = table[_ints(encoded.indices)]
             if with_id is None:
                 lanes = by_name
             else:
                 lanes[~with_id] = by_name[~with_id]
-        sizes = _int64s(index.column("group_size"))
+        sizes = _ints(index.column("group_size"))
         versions = _int64s(index.column("policy_version"))
-        if keep is not None:
-            sources, rows, sizes, lanes, versions = sources[keep], rows[keep], sizes[keep], lanes[keep], versions[keep]
-        self.queue.add_many(sources, rows, sizes, lanes, versions)
+        if drop is None:
+            self.queue.add_many(sources, rows, sizes, lanes, versions)
+            return
+        for lo, hi, out in _spans(drop, len(sources)):
+            if out is None:
+                self.queue.add_many(sources[lo:hi], rows[lo:hi], sizes[lo:hi], lanes[lo:hi], versions[lo:hi])
+                continue
+            keep = np.ones(hi - lo, dtype=bool)
+            keep[out - lo] = False
+            self.queue.add_many(sources[lo:hi][keep], rows[lo:hi][keep], sizes[lo:hi][keep], lanes[lo:hi][keep],
+                                versions[lo:hi][keep])
 
     def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
         if (record.run_id, record.shard) in self._known:  # the follower's scan saw the commit log first
