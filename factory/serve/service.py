@@ -607,6 +607,10 @@ class BatchService:
                 upto += totals[at]
                 at += 1
             slices.append(table if first == 0 and upto == table.num_rows else table.slice(first, upto - first))
+        if len({part.schema.field("env").type for part in slices}) > 1:  # files with a summary among others
+            from factory.index_runs import plain
+
+            slices = [plain(part) for part in slices]
         try:
             index = slices[0] if len(slices) == 1 else pa.concat_tables(slices, promote_options="permissive")
         except pa.ArrowException:  # files whose index columns cannot be put in one table: each on its own
@@ -635,6 +639,7 @@ class BatchService:
         taken). One block per lane, not a Python object per group (see queue.py); with `drop`, one per lane and
         stretch of `_spans`: only the stretches around taken groups are copied without them."""
         import numpy as np
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         if not index.num_rows:
@@ -648,10 +653,15 @@ class BatchService:
             lanes = table[codes]
             with_id = codes >= 0
         if with_id is None or not with_id.all():
-            encoded = pc.dictionary_encode(index.column("env")).combine_chunks()
-            names = encoded.dictionary.to_pylist()
-            table = np.array([self.queue.lane(("name", name)) for name in names], dtype=np.int32)
-            by_name = table[_ints(encoded.indices)]
+            env = index.column("env")
+            if not pa.types.is_dictionary(env.type):  # strings (read from Parquet): one encoding, one chunk
+                env = pa.chunked_array([pc.dictionary_encode(env).combine_chunks()])
+            parts = []
+            for chunk in env.chunks:  # codes into each chunk's names (a file's summary's, see index_runs.table_of)
+                names = chunk.dictionary.to_pylist()
+                table = np.array([self.queue.lane(("name", name)) for name in names] + [-1], dtype=np.int32)
+                parts.append(table[_ints(chunk.indices, null=-1)])
+            by_name = parts[0] if len(parts) == 1 else np.concatenate(parts)
             if with_id is None:
                 lanes = by_name
             else:
