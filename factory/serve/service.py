@@ -150,7 +150,8 @@ def _taken_positions(taken: dict[int, set[int]], ids: Any, starts: Any, counts: 
         return None
     positions = [start + row for i, start, count in zip(hits.tolist(), starts[hits].tolist(), counts[hits].tolist())
                  for row in taken[int(ids[i])] if 0 <= row < count]
-    return np.unique(np.array(positions, dtype=np.int64)) if positions else None
+    # distinct (each source's rows lie in its own span); sorted, not np.unique (a hash table: 0.5 s at 1M taken)
+    return np.sort(np.array(positions, dtype=np.int64)) if positions else None
 
 
 SPAN_GAP = 1 << 16
