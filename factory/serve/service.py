@@ -44,7 +44,7 @@ from factory.serve.http import gzip_compress, gzip_compressor
 from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.queue import GroupQueue
-from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
+from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState, TakenRows
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -131,27 +131,22 @@ def _ints(column: Any, null: int = 0) -> Any:
     return int32_values(column, null)
 
 
-def _taken_positions(taken: dict[int, set[int]], ids: Any, starts: Any, counts: Any) -> Any:
+def _taken_positions(taken: TakenRows, ids: Any, starts: Any, counts: Any) -> Any:
     """Ascending positions, among groups queued source by source (`ids[i]` has `counts[i]` rows from position
-    `starts[i]`), of the rows `taken` lists; None if there are none. Sources queued in ascending id order (a
-    start-up's) are found by bisecting the taken ones into them, not by looking at every source."""
+    `starts[i]`), of the rows `taken` holds; None if there are none. With array operations: a restart after a long
+    life leaves millions out."""
     import numpy as np
 
-    keys = np.fromiter(taken, np.int64, len(taken))
-    if len(ids) > 1 and bool((ids[1:] > ids[:-1]).all()):
-        keys.sort()
-        at = np.searchsorted(ids, keys)
-        inside = at < len(ids)
-        at, keys = at[inside], keys[inside]
-        hits = at[ids[at] == keys]
-    else:
-        hits = np.flatnonzero(np.isin(ids, keys))
-    if not len(hits):
+    if not len(taken) or not len(ids):
         return None
-    positions = [start + row for i, start, count in zip(hits.tolist(), starts[hits].tolist(), counts[hits].tolist())
-                 for row in taken[int(ids[i])] if 0 <= row < count]
+    order = np.argsort(ids, kind="stable")
+    at = np.minimum(np.searchsorted(ids[order], taken.sources), len(ids) - 1)
+    found = order[at]
+    hit = (ids[found] == taken.sources) & (taken.rows >= 0) & (taken.rows < counts[found])
+    if not hit.any():
+        return None
     # distinct (each source's rows lie in its own span); sorted, not np.unique (a hash table: 0.5 s at 1M taken)
-    return np.sort(np.array(positions, dtype=np.int64)) if positions else None
+    return np.sort(starts[found[hit]] + taken.rows[hit])
 
 
 SPAN_GAP = 1 << 16
@@ -322,12 +317,13 @@ class BatchService:
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
-        taken = self.state.taken_rows()
         sources = self.state.sources()
         blocks = self.state.source_blocks()
+        taken: TakenRows | None = None
         if sources or blocks:  # an idle service with nothing indexed does not load pyarrow and the store
             from factory.serve.follower import IndexCache, Locator
 
+            taken = self.state.taken_rows()
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
         if sources and getattr(self.store, "where", None) is not None:
             sources, blocks = self._fold(sources, blocks)
@@ -362,14 +358,14 @@ class BatchService:
             if offset:
                 self.row_offsets[source] = offset
             self._known.add((run_id, shard))
-            done = taken.get(source)
-            if done is not None and len(done) >= rows:
+            done = taken.count(source) if taken is not None else 0
+            if done >= rows:
                 continue
             try:
                 table = indexes.file(path, offset, rows)
             except OSError as error:
                 logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path,
-                             rows - len(done or ()), error)
+                             rows - done, error)
                 continue
             if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
                 self._enqueue_ranges(ranges, taken)
@@ -556,8 +552,7 @@ class BatchService:
                 files[shard.path] = ids
         return ids[offset:offset + shard.rows]
 
-    def _enqueue_ranges(self, ranges: list[tuple[Any, int, Any, int]],
-                        taken: dict[int, set[int]] | None = None) -> None:
+    def _enqueue_ranges(self, ranges: list[tuple[Any, int, Any, int]], taken: TakenRows | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
         order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
         array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
@@ -598,7 +593,7 @@ class BatchService:
         sources = np.repeat(ids.astype(np.int32), counts)
         rows = np.arange(total, dtype=wide)
         rows -= np.repeat(starts.astype(wide), counts)
-        drop = _taken_positions(taken, ids, starts, counts) if taken else None
+        drop = _taken_positions(taken, ids, starts, counts) if taken is not None else None
         slices = []
         at = 0
         while at < len(ranges):

@@ -15,6 +15,7 @@ from factory.serve.config import ServeConfig
 from factory.serve.packer import QUEUED
 from factory.serve.queue import Block, GroupQueue
 from factory.serve.service import BatchService
+from factory.serve.state import TakenRows
 from factory.store import ShardStore
 from factory.store_compact import compact_run
 from factory.synthetic import synthetic_groups
@@ -178,7 +179,7 @@ def test_taken_rows_are_left_out_stretch_by_stretch_as_by_one_mask(tmp_path, mon
     for source, count in zip(ids, counts):
         ranges.append((index, at, count, source))
         at += count
-    service._enqueue_ranges(ranges, taken)
+    service._enqueue_ranges(ranges, TakenRows.of(taken))
     expected = GroupQueue()
     for lane_key in service.queue.lane_key_of:
         expected.lane(lane_key)
@@ -311,3 +312,18 @@ def test_bulk_load_pauses_collection_and_restores_it_on_error(monkeypatch):
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_taken_rows_come_back_as_arrays_in_key_order_with_counts_per_source(tmp_path):
+    from factory.serve.state import ServedState
+
+    state = ServedState(tmp_path / "s.db")
+    assert len(state.taken_rows()) == 0 and state.taken_rows().count(3) == 0
+    state.record_taken([(7, 2), (3, 9), (7, 0), (3, 1)], 0)
+    state.record_taken([(12, 4)], 1)
+    taken = state.taken_rows()
+    assert taken.sources.tolist() == [3, 3, 7, 7, 12] and taken.rows.tolist() == [1, 9, 0, 2, 4]
+    assert [taken.count(source) for source in (3, 7, 12, 5)] == [2, 2, 1, 0]
+    again = TakenRows.of({12: {4}, 3: {9, 1}, 7: {2, 0}})
+    assert again.sources.tolist() == taken.sources.tolist() and again.rows.tolist() == taken.rows.tolist()
+    state.close()
