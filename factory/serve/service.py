@@ -159,6 +159,8 @@ def _spans(drop: Any, total: int) -> list[tuple[int, int, Any]]:
     ascending `drop` positions, at most SPAN_GAP apart within one, and the untouched ones between them."""
     import numpy as np
 
+    if not len(drop):
+        return [(0, total, None)] if total else []
     cuts = np.flatnonzero(np.diff(drop) > SPAN_GAP) + 1
     spans: list[tuple[int, int, Any]] = []
     at = 0
@@ -614,7 +616,8 @@ class BatchService:
             for part in slices:
                 end = at + part.num_rows
                 part_drop = None if drop is None else drop[(drop >= at) & (drop < end)] - at
-                self._enqueue_rows(part, sources[at:end], rows[at:end], part_drop)
+                self._enqueue_rows(part, sources[at:end], rows[at:end],
+                                   part_drop if part_drop is not None and len(part_drop) else None)
                 at = end
             return
         self._enqueue_rows(index, sources, rows, drop)

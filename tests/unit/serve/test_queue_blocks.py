@@ -155,11 +155,12 @@ def _queued(queue: GroupQueue) -> list[tuple]:
     return [_key(e) for lane in sorted(queue._lanes) for e in queue.prefix(lane, 1 << 30)]
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(16))
 def test_taken_rows_are_left_out_stretch_by_stretch_as_by_one_mask(tmp_path, monkeypatch, seed):
     """A start-up's queueing with taken rows (a restart): whatever stretches `_spans` cuts the groups into, the
     same groups are queued, in the same order, with the same arrival numbers and counts, as one mask over all of
-    them leaves; rows taken beyond a source's end or of sources not queued change nothing."""
+    them leaves; rows taken beyond a source's end or of sources not queued change nothing. The groups come from
+    1-3 files, some with env as codes (a summary's), put in one table or (concat refused) queued file by file."""
     import pyarrow as pa
 
     rng = random.Random(seed)
@@ -175,10 +176,22 @@ def test_taken_rows_are_left_out_stretch_by_stretch_as_by_one_mask(tmp_path, mon
     taken = {source: {rng.randint(0, 14) for _ in range(rng.randint(1, 4))}
              for source in rng.sample(ids, rng.randint(0, len(ids))) + [999]}
     service = BatchService(ServeConfig(store_root=str(tmp_path / "store"), state_path=str(tmp_path / "s.db")))
-    ranges, at = [], 0
-    for source, count in zip(ids, counts):
-        ranges.append((index, at, count, source))
-        at += count
+    cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randint(0, 2))))
+    if rng.random() < 0.5:
+        def refuse(*args, **kwargs):
+            raise pa.ArrowInvalid("index columns that cannot be put in one table")
+
+        monkeypatch.setattr(pa, "concat_tables", refuse)
+    bounds = [0, *cuts, len(ids)]
+    first_row = np.concatenate(([0], np.cumsum(counts))).tolist()
+    ranges = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = index.slice(first_row[lo], first_row[hi] - first_row[lo])
+        table = pa.Table.from_batches(part.to_batches(), schema=index.schema)  # a file's own table object
+        if rng.random() < 0.5:  # a file with an index summary: env as codes (index_runs.table_of)
+            table = table.cast(pa.schema([pa.field("env", pa.dictionary(pa.int32(), pa.string())),
+                                          *list(index.schema)[1:]]))
+        ranges += [(table, first_row[n] - first_row[lo], counts[n], ids[n]) for n in range(lo, hi)]
     service._enqueue_ranges(ranges, TakenRows.of(taken))
     expected = GroupQueue()
     for lane_key in service.queue.lane_key_of:
