@@ -556,7 +556,7 @@ class BatchService:
 
     def _enqueue_ranges(self, ranges: list[tuple[Any, int, Any, int]], taken: TakenRows | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
-        order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
+        order given; `taken`: rows already served or skipped, left out. All of them with one set of
         array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
         take one slice of its index, and the slices are concatenated (a shard's own file is its whole table).
         A block of a compacted file's members is one entry: its rows are a numpy array (rows of each member) and
