@@ -10,7 +10,8 @@ process with PYTHONPATH set to the tree under test and an empty served state (ev
 The run's manifest (a cache of the parsed log, whose format a tree may change) is saved by each tree once, from
 the log, and put in place before each of that tree's start-ups: each tree starts from its own checkpoint.
 `--restart` also measures, after each fresh start-up, a restart from a served state in which every shard is
-indexed and 2,000 groups are taken (made once by each tree, copied for each of its start-ups).
+indexed and 2,000 groups are taken (`--taken N`: N; rows 0..9 of every 7th shard from the first on, as many as
+it takes) (made once by each tree, copied for each of its start-ups).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--restart", action="store_true", help="also time restarts from an indexed served state")
+    parser.add_argument("--taken", type=int, default=2000, help="groups taken in the restart's served state")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards, args.rounds = 200, 1
@@ -110,9 +112,9 @@ def main(argv: list[str] | None = None) -> None:
             use_manifest(label)
             startup(tree, root, indexed[label])
             db = sqlite3.connect(indexed[label])
-            with db:  # 2,000 groups taken, as a served life leaves them (one in 7 shards' rows)
+            with db:  # groups taken, as a served life leaves them (one in 7 shards' rows)
                 db.executemany("INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, 0)",
-                               [(1 + i // 10 * 7, i % 10, i // 256, i % 256) for i in range(2000)])
+                               ((1 + i // 10 * 7, i % 10, i // 256, i % 256) for i in range(args.taken)))
             db.close()
     times: dict[str, list[float]] = {"A": [], "B": [], "A restart": [], "B restart": []}
     for round_ in range(args.rounds):

@@ -44,7 +44,7 @@ from factory.serve.http import gzip_compress, gzip_compressor
 from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
 from factory.serve.queue import GroupQueue
-from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState
+from factory.serve.state import DISCARDED, SKIPPED_OVERSIZE, SKIPPED_STALE, ServedState, TakenRows
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -121,6 +121,58 @@ def _int64s(column: Any, null: int = 0) -> Any:
     from factory.store_records import int64_values
 
     return int64_values(column, null)
+
+
+def _ints(column: Any, null: int = 0) -> Any:
+    """A pyarrow int32 (or narrower) column as a numpy int32 array, nulls as `null`, with no 64-bit copy
+    (`store_records.int32_values`)."""
+    from factory.store_records import int32_values
+
+    return int32_values(column, null)
+
+
+def _taken_positions(taken: TakenRows, ids: Any, starts: Any, counts: Any) -> Any:
+    """Ascending positions, among groups queued source by source (`ids[i]` has `counts[i]` rows from position
+    `starts[i]`), of the rows `taken` holds; None if there are none. With array operations: a restart after a long
+    life leaves millions out."""
+    import numpy as np
+
+    if not len(taken) or not len(ids):
+        return None
+    order = np.argsort(ids, kind="stable")
+    at = np.minimum(np.searchsorted(ids[order], taken.sources), len(ids) - 1)
+    found = order[at]
+    hit = (ids[found] == taken.sources) & (taken.rows >= 0) & (taken.rows < counts[found])
+    if not hit.any():
+        return None
+    # distinct (each source's rows lie in its own span); sorted, not np.unique (a hash table: 0.5 s at 1M taken)
+    return np.sort(starts[found[hit]] + taken.rows[hit])
+
+
+SPAN_GAP = 1 << 16
+"""Taken groups closer than this (positions in a start-up's queueing) are left out by one mask over the stretch
+between them; the groups between stretches are queued as they are, without a copy."""
+
+
+def _spans(drop: Any, total: int) -> list[tuple[int, int, Any]]:
+    """Positions `0..total` cut into (lo, hi, positions to leave out or None), in order: stretches around the
+    ascending `drop` positions, at most SPAN_GAP apart within one, and the untouched ones between them."""
+    import numpy as np
+
+    if not len(drop):
+        return [(0, total, None)] if total else []
+    cuts = np.flatnonzero(np.diff(drop) > SPAN_GAP) + 1
+    spans: list[tuple[int, int, Any]] = []
+    at = 0
+    for out in np.split(drop, cuts):
+        lo, hi = int(out[0]), int(out[-1]) + 1
+        if lo > at:
+            spans.append((at, lo, None))
+        spans.append((lo, hi, out))
+        at = hi
+    if at < total:
+        spans.append((at, total, None))
+    return spans
 
 
 class BatchService:
@@ -267,12 +319,13 @@ class BatchService:
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
-        taken = self.state.taken_rows()
         sources = self.state.sources()
         blocks = self.state.source_blocks()
+        taken: TakenRows | None = None
         if sources or blocks:  # an idle service with nothing indexed does not load pyarrow and the store
             from factory.serve.follower import IndexCache, Locator
 
+            taken = self.state.taken_rows()
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
         if sources and getattr(self.store, "where", None) is not None:
             sources, blocks = self._fold(sources, blocks)
@@ -307,14 +360,14 @@ class BatchService:
             if offset:
                 self.row_offsets[source] = offset
             self._known.add((run_id, shard))
-            done = taken.get(source)
-            if done is not None and len(done) >= rows:
+            done = taken.count(source) if taken is not None else 0
+            if done >= rows:
                 continue
             try:
                 table = indexes.file(path, offset, rows)
             except OSError as error:
                 logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path,
-                             rows - len(done or ()), error)
+                             rows - done, error)
                 continue
             if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
                 self._enqueue_ranges(ranges, taken)
@@ -501,10 +554,9 @@ class BatchService:
                 files[shard.path] = ids
         return ids[offset:offset + shard.rows]
 
-    def _enqueue_ranges(self, ranges: list[tuple[Any, int, Any, int]],
-                        taken: dict[int, set[int]] | None = None) -> None:
+    def _enqueue_ranges(self, ranges: list[tuple[Any, int, Any, int]], taken: TakenRows | None = None) -> None:
         """Queue the groups of sources, each (index columns of its file, first row in it, rows, source), in the
-        order given; `taken`: rows per source already served or skipped, left out. All of them with one set of
+        order given; `taken`: rows already served or skipped, left out. All of them with one set of
         array operations: consecutive sources that are consecutive rows of one file (a compacted file's members)
         take one slice of its index, and the slices are concatenated (a shard's own file is its whole table).
         A block of a compacted file's members is one entry: its rows are a numpy array (rows of each member) and
@@ -537,17 +589,13 @@ class BatchService:
         ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
         starts = np.cumsum(counts) - counts
         total = int(counts.sum())
-        sources = np.repeat(ids, counts)
-        rows = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        keep = None
-        if taken:
-            at_source = {int(source): (int(start), int(count))
-                         for source, start, count in zip(*(a[np.isin(ids, np.fromiter(taken, np.int64, len(taken)))]
-                                                           for a in (ids, starts, counts)))}
-            if at_source:
-                keep = np.ones(total, dtype=bool)
-                for source, (start, count) in at_source.items():
-                    keep[[start + row for row in taken[source] if 0 <= row < count]] = False
+        # 32-bit as the queue keeps them (no widening copy of every group's source and row); int64 arithmetic
+        # only for a call of 2**31 groups or more
+        wide = np.int64 if total >= 1 << 31 else np.int32
+        sources = np.repeat(ids.astype(np.int32), counts)
+        rows = np.arange(total, dtype=wide)
+        rows -= np.repeat(starts.astype(wide), counts)
+        drop = _taken_positions(taken, ids, starts, counts) if taken is not None else None
         slices = []
         at = 0
         while at < len(ranges):
@@ -557,16 +605,22 @@ class BatchService:
                 upto += totals[at]
                 at += 1
             slices.append(table if first == 0 and upto == table.num_rows else table.slice(first, upto - first))
+        if len({part.schema.field("env").type for part in slices}) > 1:  # files with a summary among others
+            from factory.index_runs import plain
+
+            slices = [plain(part) for part in slices]
         try:
             index = slices[0] if len(slices) == 1 else pa.concat_tables(slices, promote_options="permissive")
         except pa.ArrowException:  # files whose index columns cannot be put in one table: each on its own
             at = 0
             for part in slices:
                 end = at + part.num_rows
-                self._enqueue_rows(part, sources[at:end], rows[at:end], None if keep is None else keep[at:end])
+                part_drop = None if drop is None else drop[(drop >= at) & (drop < end)] - at
+                self._enqueue_rows(part, sources[at:end], rows[at:end],
+                                   part_drop if part_drop is not None and len(part_drop) else None)
                 at = end
             return
-        self._enqueue_rows(index, sources, rows, keep)
+        self._enqueue_rows(index, sources, rows, drop)
 
     def _relocate(self, moved: list[Moved]) -> None:
         """Read shards a compaction merged while the service runs from the merged file: same rows, same (shard,
@@ -578,11 +632,13 @@ class BatchService:
             self._moved[source] = (shard.path, shard.row_offset)
             logger.info("shard %s/%s is now read from %s (compacted)", shard.run_id, shard.shard, shard.path)
 
-    def _enqueue_rows(self, index: Any, sources: Any, rows: Any, keep: Any = None) -> None:
+    def _enqueue_rows(self, index: Any, sources: Any, rows: Any, drop: Any = None) -> None:
         """Queue the groups of `index` (INDEX_COLUMNS, one row per group, in arrival order): group i is row
-        `rows[i]` of source `sources[i]`; `keep` (a mask), if given, leaves the others out (already taken). One
-        block per lane, not a Python object per group (see queue.py)."""
+        `rows[i]` of source `sources[i]`; `drop` (ascending positions), if given, leaves those out (already
+        taken). One block per lane, not a Python object per group (see queue.py); with `drop`, one per lane and
+        stretch of `_spans`: only the stretches around taken groups are copied without them."""
         import numpy as np
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         if not index.num_rows:
@@ -591,24 +647,37 @@ class BatchService:
         with_id = None
         if env_ids.null_count < len(env_ids):
             values = pc.unique(env_ids).drop_null()
-            codes = _int64s(pc.index_in(env_ids, value_set=values), null=-1)
-            table = np.array([self.queue.lane(("id", value)) for value in values.to_pylist()] + [-1], dtype=np.int64)
+            codes = _ints(pc.index_in(env_ids, value_set=values), null=-1)
+            table = np.array([self.queue.lane(("id", value)) for value in values.to_pylist()] + [-1], dtype=np.int32)
             lanes = table[codes]
             with_id = codes >= 0
         if with_id is None or not with_id.all():
-            encoded = pc.dictionary_encode(index.column("env")).combine_chunks()
-            names = encoded.dictionary.to_pylist()
-            table = np.array([self.queue.lane(("name", name)) for name in names], dtype=np.int64)
-            by_name = table[_int64s(encoded.indices)]
+            env = index.column("env")
+            if not pa.types.is_dictionary(env.type):  # strings (read from Parquet): one encoding, one chunk
+                env = pa.chunked_array([pc.dictionary_encode(env).combine_chunks()])
+            parts = []
+            for chunk in env.chunks:  # codes into each chunk's names (a file's summary's, see index_runs.table_of)
+                names = chunk.dictionary.to_pylist()
+                table = np.array([self.queue.lane(("name", name)) for name in names] + [-1], dtype=np.int32)
+                parts.append(table[_ints(chunk.indices, null=-1)])
+            by_name = parts[0] if len(parts) == 1 else np.concatenate(parts)
             if with_id is None:
                 lanes = by_name
             else:
                 lanes[~with_id] = by_name[~with_id]
-        sizes = _int64s(index.column("group_size"))
+        sizes = _ints(index.column("group_size"))
         versions = _int64s(index.column("policy_version"))
-        if keep is not None:
-            sources, rows, sizes, lanes, versions = sources[keep], rows[keep], sizes[keep], lanes[keep], versions[keep]
-        self.queue.add_many(sources, rows, sizes, lanes, versions)
+        if drop is None:
+            self.queue.add_many(sources, rows, sizes, lanes, versions)
+            return
+        for lo, hi, out in _spans(drop, len(sources)):
+            if out is None:
+                self.queue.add_many(sources[lo:hi], rows[lo:hi], sizes[lo:hi], lanes[lo:hi], versions[lo:hi])
+                continue
+            keep = np.ones(hi - lo, dtype=bool)
+            keep[out - lo] = False
+            self.queue.add_many(sources[lo:hi][keep], rows[lo:hi][keep], sizes[lo:hi][keep], lanes[lo:hi][keep],
+                                versions[lo:hi][keep])
 
     def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
         if (record.run_id, record.shard) in self._known:  # the follower's scan saw the commit log first

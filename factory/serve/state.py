@@ -18,6 +18,7 @@ import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,36 @@ CREATE TABLE IF NOT EXISTS taken (
 CREATE TABLE IF NOT EXISTS ingested (group_id TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS taken_step ON taken (epoch, step, pos);
 """
+
+
+class TakenRows:
+    """The groups taken (served or skipped) as numpy int64 arrays, ascending by (source, row): what a restart leaves
+    out of the queue. Arrays, not a set per source: a restart after a long life reads millions of them (a set per
+    source cost ~0.7 s a million, the arrays ~0.2 s)."""
+
+    def __init__(self, sources: Any, rows: Any) -> None:
+        import numpy as np
+
+        self.sources, self.rows = sources, rows
+        self._counts: dict[int, int] = {}
+        if len(sources):
+            firsts = np.concatenate(([0], np.flatnonzero(sources[1:] != sources[:-1]) + 1))
+            self._counts = dict(zip(sources[firsts].tolist(), np.diff(np.append(firsts, len(sources))).tolist()))
+
+    @classmethod
+    def of(cls, taken: dict[int, Iterable[int]]) -> TakenRows:
+        """From {source: rows} (tests)."""
+        import numpy as np
+
+        keys = sorted((source, row) for source, rows in taken.items() for row in rows)
+        return cls(np.array([k[0] for k in keys], dtype=np.int64), np.array([k[1] for k in keys], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def count(self, source: int) -> int:
+        """Rows of `source` taken."""
+        return self._counts.get(source, 0)
 
 
 @dataclass(frozen=True)
@@ -261,12 +292,13 @@ class ServedState:
                     [(key, json.dumps(value)) for key, value in kv.items()],
                 )
 
-    def taken_rows(self) -> dict[int, set[int]]:
-        """Taken rows per source."""
-        taken: dict[int, set[int]] = {}
-        for source, row in self.db.execute("SELECT source, row FROM taken"):
-            taken.setdefault(source, set()).add(row)
-        return taken
+    def taken_rows(self) -> TakenRows:
+        """Every taken (source, row), as arrays in key order (see `TakenRows`)."""
+        import numpy as np
+
+        flat = np.fromiter(chain.from_iterable(self.db.execute("SELECT source, row FROM taken ORDER BY source, row")),
+                           dtype=np.int64)
+        return TakenRows(flat[0::2], flat[1::2])
 
     def batches_from(self, step: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """Served batches with step >= `step`: (step, [(source, row), ...]) in step order."""
