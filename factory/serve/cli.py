@@ -78,13 +78,30 @@ def serve(config: ServeConfig) -> None:
                 timeout_graceful_shutdown=config.shutdown_grace_s)
 
 
-class _NoPandas:
-    """pyarrow imports pandas on its first pa.array() call (to recognise pandas objects): in the first post after a
-    start, ~1 s of CPU and ~35 MiB of RSS for a library the service never uses. Refused, pyarrow goes on without."""
+class _Refused:
+    """Modules a library the service uses would load, that the service never uses: refused, that library goes on
+    without them (each import is in a try/except ImportError there).
+
+    - pandas: pyarrow imports it on its first pa.array() call (to recognise pandas objects): in the first post after
+      a start, ~1 s of CPU and ~35 MiB of RSS.
+    - pyarrow's cloud file systems: pyarrow.parquet imports pyarrow.fs, which loads each one pyarrow was built with;
+      S3's library alone is ~2.7 MiB of RSS, ~3.3 MiB with the others' modules (bench/RESULTS.md, issue 29). The
+      store reads s3:// through pyarrow's S3 file system, so S3 is refused only when store_root is not a URL."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
-        if name == "pandas" or name.startswith("pandas."):
+        if name in self.names or name.split(".", 1)[0] in self.names:
             raise ModuleNotFoundError(f"run-api does not load {name}", name=name)
+
+
+def _refused_modules(config: ServeConfig) -> list[str]:
+    """What run-api refuses to load for `config` (see `_Refused`); nothing already loaded."""
+    names = ["pandas", "pyarrow._gcsfs", "pyarrow._azurefs", "pyarrow._hdfs"]
+    if "://" not in config.store_root or config.store_root.startswith("file://"):
+        names.append("pyarrow._s3fs")
+    return [name for name in names if name not in sys.modules]
 
 
 def _main(argv: list[str]) -> int:
@@ -98,8 +115,9 @@ def _main(argv: list[str]) -> int:
     # The two faults a user meets first, checked before uvicorn (whose own report ends in shutdown lines).
     check_port_free(config.host, config.port)
     check_store_writable("store_root", config.store_root)
-    if "pandas" not in sys.modules:
-        sys.meta_path.insert(0, _NoPandas())
+    refused = _refused_modules(config)
+    if refused:
+        sys.meta_path.insert(0, _Refused(refused))
     serve(config)
     return 0
 

@@ -13,11 +13,11 @@ import ctypes
 import importlib.machinery
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,26 @@ def available() -> bool:
     return _get() is not None
 
 
+def _float_cast() -> Callable[[pa.Array], pa.Array]:
+    """Arrow's string-to-float64 cast, called without importing `pyarrow.compute`.
+
+    That module builds a Python wrapper with a docstring for each of Arrow's ~300 functions when it is imported
+    (pydoc and all): ~20 ms of CPU and ~1.4 MiB of RSS on the run-api's first post, kept for the process's life, to
+    reach one function. The cast is the same function (`call_function("cast")`, what `pc.cast` calls) in
+    pyarrow's own `_compute` module; a pyarrow without that private name gets the public one."""
+    try:
+        from pyarrow._compute import CastOptions, call_function
+    except ImportError:  # pragma: no cover - pyarrow moved its private module
+        import pyarrow.compute as pc
+
+        return lambda texts: pc.cast(texts, pa.float64())
+    options = CastOptions.safe(pa.float64())
+    return lambda texts: call_function("cast", [texts], options)
+
+
+_cast_floats: Callable[[pa.Array], pa.Array] | None = None
+
+
 FIELDS = ("tokens", "masks", "advantages", "ref_logprobs", "inference_logprobs")
 """The number-list fields `read_body` reads, in numjson.c's order; the first two are integers."""
 
@@ -102,7 +122,10 @@ def read_body(body: bytes, many: bool) -> tuple[bytes, list[dict[str, tuple[np.n
     if n_floats:
         texts = pa.StringArray.from_buffers(n_floats, pa.py_buffer(offsets[: n_floats + 1]),
                                             pa.py_buffer(chars[: offsets[n_floats]]))
-        parsed = pc.cast(texts, pa.float64())  # Arrow's parser: correctly rounded, without the GIL
+        global _cast_floats
+        if _cast_floats is None:
+            _cast_floats = _float_cast()
+        parsed = _cast_floats(texts)  # Arrow's parser: correctly rounded, without the GIL
         # The values buffer as numpy directly: Array.to_numpy() imports pandas (~35 MiB RSS and ~1 s of CPU on the
         # first post after start).
         floats = np.frombuffer(parsed.buffers()[1], dtype=np.float64, count=len(parsed), offset=parsed.offset * 8)

@@ -14,12 +14,14 @@ no number is turned into text on either end.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,13 +39,22 @@ READ_COLUMNS = [*GROUP_WIRE_FIELDS, *META_FIELDS, "run_id", "item_key"]
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
+def _nulls(array: pa.Array) -> np.ndarray | None:
+    """Which rows of `array` are null (None: none is), read from its validity bitmap. `Array.is_null()` would
+    import pyarrow.compute for this one call: ~20 ms of CPU and ~1.4 MiB of RSS, kept (bench/RESULTS.md, issue 29)."""
+    if array.null_count == 0:
+        return None
+    bits = np.frombuffer(array.buffers()[0], dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[array.offset : array.offset + len(array)] == 0
+
+
 def _nested_views(column: pa.ChunkedArray | pa.Array, depth: int) -> list[list | None]:
     """Per row, the nested lists of a list<list<...>> column as lists of numpy views (None for null rows), chunk by
     chunk: views of the chunks' own buffers, no combined copy."""
     if isinstance(column, pa.ChunkedArray):
         return [row for chunk in column.chunks for row in _nested_views(chunk, depth)]
     array = column
-    nulls = array.is_null().to_numpy(zero_copy_only=False)
+    nulls = _nulls(array)
     offsets = [array.offsets.to_numpy()]
     level = array.values
     for _ in range(depth - 1):
@@ -51,8 +62,10 @@ def _nested_views(column: pa.ChunkedArray | pa.Array, depth: int) -> list[list |
         level = level.values
     leaf = level.to_numpy(zero_copy_only=False)
     outer = offsets[0]
-    return [None if nulls[i] else _views(offsets, leaf, 1, outer[i], outer[i + 1]) if depth > 1 else leaf[outer[i] : outer[i + 1]]
-            for i in range(len(array))]
+    if nulls is None:
+        nulls = itertools.repeat(False)
+    return [None if null else _views(offsets, leaf, 1, outer[i], outer[i + 1]) if depth > 1 else leaf[outer[i] : outer[i + 1]]
+            for i, null in zip(range(len(array)), nulls)]
 
 
 def _views(offsets: list, leaf: Any, d: int, start: int, stop: int) -> list:
