@@ -16,6 +16,7 @@ yet indexed by the API) hold `max_batches_offpolicy` batches or more.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -45,7 +46,8 @@ from tasks.shards import write_shard_retrying
 @flow(name="datagen-pipeline", log_prints=False, on_failure=[close_current], on_crashed=[close_current])
 def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
     """Run the chunks of one job that are not committed yet; return the summary."""
-    run = DatagenRun.open(ref, config, get_run_logger(), write_shard=write_shard_retrying)
+    logger = get_run_logger()
+    run = DatagenRun.open(ref, config, logger, write_shard=functools.partial(write_shard_retrying, logger=logger))
     cfg, d = run.cfg, run.cfg.datagen
     if run.score_mode == "process" and d.task_runner == "thread" and not d.task_runner_block:
         # Start the scorer processes now, while the first chunk is generating.

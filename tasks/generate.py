@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-
 from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_messages
 from factory.datagen.heap import freeze_startup_heap
 from factory.inference.client import InferenceClient, InferenceConfig

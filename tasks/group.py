@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-
 from environments.base import Item, Rollout
 from environments.groups import MASK_IGNORE, ScoredGroup, make_group_id
 from tasks.generate import GeneratedChunk

@@ -18,8 +18,8 @@ from prefect.cache_policies import NO_CACHE
 
 from environments.base import EnvSpec
 from factory.inference.client import InferenceConfig
-from factory.run_logging import logs_to_task_run
 from factory.inference.health import EndpointsDown
+from factory.run_logging import logs_to_task_run
 from tasks.generate import generate_chunk
 from tasks.group import GroupedChunk, group_generated
 from tasks.score import score_generated

@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-
 from environments.base import EnvSpec, Item, Rollout
 from tasks.generate import GeneratedChunk
 from tasks.scoring_pool import ScorerPool, score_item

@@ -23,7 +23,7 @@ def write_shard(root: str, run_id: str, producer: str, chunk: int, groups: Seque
 
 def write_shard_retrying(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup], *,
                          delays_s: Sequence[float] = (1.0, 5.0), sleep: Callable[[float], None] = time.sleep,
-                         logger: logging.Logger | None = None) -> CommitRecord:
+                         logger: logging.Logger | logging.LoggerAdapter | None = None) -> CommitRecord:
     """`write_shard`, retried after each of `delays_s` when it raises, each retry logged as a warning.
 
     The datagen flow commits in its own process with this instead of a task run per chunk (the same retries as
