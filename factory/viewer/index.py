@@ -169,6 +169,8 @@ class RunIndex:
         holds as a `Block` (keyed by `Block.key`), which stay a block until indexed, newest members first."""
         self._pending_members = 0
         self._stats_key: tuple[tuple[str, int], ...] = ()
+        self._stats_files: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones only."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.run_stats: dict[str, dict[str, Any]] = {}
         self._metrics_key: tuple[str, int, int] | None = None
@@ -412,18 +414,33 @@ class RunIndex:
         return cached
 
     def _refresh_stats(self) -> None:
-        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed."""
+        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed: the ones new or
+        changed since the last look (a live run adds one per chunk; re-reading every chunk's file each time grew
+        with the run's history)."""
         files = sorted(self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
-        key = tuple((p.name, p.stat().st_mtime_ns) for p in files if p.exists())
+        stats = []
+        for path in files:
+            try:
+                stats.append((path, path.stat()))
+            except FileNotFoundError:
+                continue
+        key = tuple((path.name, stat.st_mtime_ns) for path, stat in stats)
         if key == self._stats_key:
             return
         self._stats_key = key
         self.chunk_stats, self.run_stats = {}, {}
-        for path in files:
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
+        known, self._stats_files = self._stats_files, {}
+        for path, stat in stats:
+            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            cached = known.get(path.name)
+            if cached is not None and cached[0] == version:
+                data = cached[1]
+            else:
+                try:
+                    data = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+            self._stats_files[path.name] = (version, data)
             if match := _CHUNK_STATS.match(path.name):
                 self.chunk_stats[(match["producer"], int(match["chunk"]))] = data
             elif match := _RUN_STATS.match(path.name):
