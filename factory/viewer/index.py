@@ -170,7 +170,7 @@ class RunIndex:
         self._pending_members = 0
         self._stats_key: tuple[tuple[str, int], ...] = ()
         self._stats_files: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
-        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones only."""
+        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.run_stats: dict[str, dict[str, Any]] = {}
         self._metrics_key: tuple[str, int, int] | None = None
@@ -320,7 +320,8 @@ class RunIndex:
             next(names)
             for name in names:
                 other = self._pending[name]
-                if type(other) is Block or other.file != record.file or other.row_offset < first or other.row_offset + other.rows != batch[-1].row_offset:
+                if (type(other) is Block or other.file != record.file or other.row_offset < first
+                        or other.row_offset + other.rows != batch[-1].row_offset):
                     break  # another file, an earlier row group, or not the rows just before
                 batch.append(other)
             parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,

@@ -22,7 +22,8 @@ def _store(root):
     assert len(report.files) > 1
     checkpoint(store, RUN)
     for chunk in range(2):
-        store.commit(RUN, "w1", chunk, synthetic_groups(10, start=10**6 + chunk * 10, group_size=4, seq_len=64, env="bench"))
+        groups = synthetic_groups(10, start=10**6 + chunk * 10, group_size=4, seq_len=64, env="bench")
+        store.commit(RUN, "w1", chunk, groups)
     return RUN
 
 

@@ -30,7 +30,8 @@ def _build(root, shards=30, row_group_groups=40, target_bytes=None):
     report = compact_run(store, RUN, row_group_groups=row_group_groups, method="pages", **kwargs)
     checkpoint(store, RUN)
     for chunk in range(2):
-        store.commit(RUN, "w1", chunk, synthetic_groups(10, start=10**6 + chunk * 10, group_size=4, seq_len=64, env="bench"))
+        groups = synthetic_groups(10, start=10**6 + chunk * 10, group_size=4, seq_len=64, env="bench")
+        store.commit(RUN, "w1", chunk, groups)
     fresh = ShardStore(root)
     assert fresh._read_log(RUN).records.has_blocks
     return RUN, report
@@ -115,7 +116,8 @@ def test_a_block_index_equals_the_index_made_record_by_record(tmp_path, made):
     store = ShardStore(tmp_path)
     store.commit(run, "w1", 2, synthetic_groups(10, start=2 * 10**6, group_size=4, seq_len=64, env="bench"))
     assert index.refresh() == 10 and index.pending == 0 and index.frame.height == 330
-    store.commit(run, "w0", 3, synthetic_groups(10, start=3 * 10**6, group_size=4, seq_len=64, env="bench"), replace=True)
+    replaced = synthetic_groups(10, start=3 * 10**6, group_size=4, seq_len=64, env="bench")
+    store.commit(run, "w0", 3, replaced, replace=True)
     index.refresh()
     fresh = RunIndex(ShardStore(tmp_path), run)
     fresh.refresh()

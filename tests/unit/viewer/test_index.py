@@ -161,7 +161,8 @@ def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch)
     assert sorted(reads) == [f"stats-datagen-{chunk:08d}.json" for chunk in range(3)]
     reads.clear()
     write_chunk(store, "run-1", 3, [make_group(60 + i, "run-1", 3) for i in range(5)])
-    store.write_run_file("run-1", "stats-datagen-00000001.json", json.dumps({"groups_kept": 7, "dropped": {"failed": 2}}))
+    changed = {"groups_kept": 7, "dropped": {"failed": 2}}
+    store.write_run_file("run-1", "stats-datagen-00000001.json", json.dumps(changed))
     store.write_run_file("run-1", "stats-datagen.json", json.dumps({"groups_kept": 99, "flow_run_id": "other"}))
     index.refresh()
     assert sorted(reads) == ["stats-datagen-00000001.json", "stats-datagen-00000003.json", "stats-datagen.json"]
