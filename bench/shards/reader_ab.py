@@ -8,12 +8,13 @@ The store is built with this tree's bench.shards.scale (10 groups of 4 x 64 toke
 128 MB files and checkpointed (as `compact_run` does), then `--tail` shards of another producer are committed
 after the manifest (a live run goes on after a compaction). Each measurement is a fresh process with PYTHONPATH
 set to the tree under test (a cold start, as a new view-run or export is; the store's files are in the page cache):
-- viewer: a new `RunIndex` refreshed with the viewer's 0.5 s budget, then the newest 50 rows read (what the run
-  page shows first); groups indexed within the budget;
+- viewer: a new `RunIndex` refreshed with the viewer's 0.5 s budget (`--budget`; 0: the log read and one step of
+  indexing, what the run's history costs a first page), then the newest 50 rows read (what the run page shows
+  first); groups indexed within the budget;
 - export: the store source of an export (`iter_store_groups`, metadata columns) until its first group, and then
   until `--export-groups` groups (time to first group, groups/s).
 CPU seconds (user + system) are given beside wall seconds. Both trees must show the same newest rows and
-export the same groups (a hash of their ids) or the bench stops.
+export the same groups (a hash of their ids) or the bench stops (the viewer: the newest rows both indexed).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 _MEASURE = """
 import hashlib, json, resource, sys, time
 begin = time.perf_counter()
-root, what, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root, what, limit, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -42,11 +43,11 @@ if what == "viewer":
     from factory.store import ShardStore
     from factory.viewer.index import RunIndex
     index = RunIndex(ShardStore(root), "gen")
-    index.refresh(budget_s=0.5)
+    index.refresh(budget_s=budget)
     frame = index.frame
     rows = index.read_rows(frame.tail(50).reverse(), ["group_id", "item_key"])
     out = {"s": time.perf_counter() - begin, "cpu_s": cpu(), "indexed_groups": frame.height,
-           "pending_shards": index.pending, "hash": hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]}
+           "pending_shards": index.pending, "rows": [row["group_id"] + " " + row["item_key"] for row in rows]}
 else:
     from factory.export.config import SourceConfig
     from factory.export.source import iter_store_groups
@@ -64,9 +65,9 @@ print(json.dumps(out))
 """
 
 
-def measure(tree: str, root: Path, what: str, limit: int) -> dict:
+def measure(tree: str, root: Path, what: str, limit: int, budget: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(root), what, str(limit)], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(root), what, str(limit), str(budget)], env=env, check=True,
                          capture_output=True, text=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tail", type=int, default=5, help="shards committed after the compaction's manifest")
     parser.add_argument("--export-groups", type=int, default=200_000)
+    parser.add_argument("--budget", type=float, default=0.5,
+                        help="the viewer's indexing budget (0: the log read and the newest row group alone)")
     parser.add_argument("--dir", default=None, help="scratch directory (the store is kept there if given)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -117,23 +120,28 @@ def main(argv: list[str] | None = None) -> None:
             for what in ("viewer", "export"):
                 hashes = {}
                 for label in order:
-                    result = measure(args.a if label == "A" else args.b, root, what, args.export_groups)
+                    result = measure(args.a if label == "A" else args.b, root, what, args.export_groups, args.budget)
                     times[f"{label} {what}"].append(result)
-                    hashes[label] = result["hash"]
+                    hashes[label] = result.pop("hash", None) or result.pop("rows")
                     extra = (f"{result['indexed_groups']} groups indexed, {result['pending_shards']} shards pending"
                              if what == "viewer" else f"{result['groups_per_s']:,.0f} groups/s over {result['groups']}")
                     print(f"round {round_} {label} {what}: {result['s']:.2f} s ({result['cpu_s']:.2f} s CPU), {extra}; "
                           f"{_now()}", flush=True)
+                if what == "viewer":  # the newest rows that both indexed within the budget
+                    shown = min(len(hashes["A"]), len(hashes["B"]))
+                    hashes = {label: rows[:shown] for label, rows in hashes.items()}
                 if hashes["A"] != hashes["B"]:
                     raise SystemExit(f"{what}: A and B differ ({hashes})")
-        print(f"\n| shards | what | A s (CPU s) | B s (CPU s) | median A/B |")
-        print("|---:|---|---|---|---:|")
+        print(f"\n| shards | what | A s (CPU s) | B s (CPU s) | median A/B | groups indexed A / B |")
+        print("|---:|---|---|---|---:|---|")
         for what in ("viewer", "export"):
             a, b = times[f"A {what}"], times[f"B {what}"]
             cells = [", ".join(f"{r['s']:.2f} ({r['cpu_s']:.2f})" for r in side) for side in (a, b)]
             ratio = statistics.median(r["s"] for r in a) / statistics.median(r["s"] for r in b)
-            name = "viewer first page" if what == "viewer" else "export first group"
-            print(f"| {args.shards:,} | {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x |")
+            name = f"viewer first page (budget {args.budget:g} s)" if what == "viewer" else "export first group"
+            indexed = (" / ".join(", ".join(str(r["indexed_groups"]) for r in side) for side in (a, b))
+                       if what == "viewer" else "-")
+            print(f"| {args.shards:,} | {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x | {indexed} |")
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
