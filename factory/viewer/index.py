@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
+from factory.store_records import Block
 from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns, split_columns
 from factory.viewer.query import Filters
 
@@ -162,8 +163,14 @@ class RunIndex:
         self._cursor: tuple[int, int] | None = None
         self._seq = 0
         self._order: dict[str, int] = {}
-        self._pending: dict[str, CommitRecord] = {}
+        """Commit order of each indexed or pending shard (of a pending block: its first member's; member i is + i)."""
+        self._pending: dict[str, CommitRecord | Block] = {}
+        """Shards not indexed yet, in log order: records, and the members of merged files that the store's manifest
+        holds as a `Block` (keyed by `Block.key`), which stay a block until indexed, newest members first."""
+        self._pending_members = 0
         self._stats_key: tuple[tuple[str, int], ...] = ()
+        self._stats_files: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.run_stats: dict[str, dict[str, Any]] = {}
         self._metrics_key: tuple[str, int, int] | None = None
@@ -190,10 +197,12 @@ class RunIndex:
                     break
                 name = next(reversed(self._pending))
                 record = self._pending[name]
-                if record.file:  # a compacted shard: it and its pending neighbours in the same row groups
+                if type(record) is Block:  # the newest members of a merged file's block: one read of their row groups
+                    added += self._add_block(name, record)
+                elif record.file:  # a compacted shard: it and its pending neighbours in the same row groups
                     added += self._add_merged(record)
                 else:
-                    del self._pending[name]
+                    self._unpend(name)
                     added += self._add(record)
                 indexed += 1
                 self._frame = self._columns = None
@@ -203,21 +212,41 @@ class RunIndex:
     @property
     def pending(self) -> int:
         """Committed shards not indexed yet."""
-        return len(self._pending)
+        return self._pending_members
+
+    def _unpend(self, name: str) -> None:
+        item = self._pending.pop(name)
+        self._pending_members -= len(item) if type(item) is Block else 1
 
     def _read_log(self) -> None:
         # What the run's log added or changed since the last look (the store reads its manifest and the log after
         # it): a compaction shows up as its shards changed (their rows moved into a merged file) and re-indexes them.
-        cursor, records = self.store.changes(self.run_id, self._cursor)
+        # A local store gives the members of merged files that its manifest holds as blocks whole (`changed_items`):
+        # a new index keeps them as blocks, so its first page makes no record per member of the run's history.
+        changed_items = getattr(self.store, "changed_items", None)
+        cursor, items = (changed_items if changed_items is not None else self.store.changes)(self.run_id, self._cursor)
         if self._cursor is not None and cursor[0] != self._cursor[0]:
             self._reset()  # the log was re-read from its start (rewritten): every record comes again
         self._cursor = cursor
         if not (self.shards or self._frames or self._pending or self._columns_of):
             # a new index (the first page of a run): nothing to forget, `changes` lists each shard once
-            self._pending = {record.shard: record for record in records}
-            self._order.update(zip(self._pending, range(self._seq + 1, self._seq + 1 + len(self._pending))))
-            self._seq += len(self._pending)
+            pending, order, seq, members = self._pending, self._order, self._seq, 0
+            for item in items:
+                if type(item) is Block:
+                    pending[item.key] = item
+                    order[item.key] = seq + 1
+                    seq += len(item)
+                    members += len(item)
+                else:
+                    seq += 1
+                    pending[item.shard] = item
+                    order[item.shard] = seq
+                    members += 1
+            self._seq, self._pending_members = seq, members
             return
+        # A block after the first look would be the store's manifest re-read, which starts a new cursor generation
+        # (reset above, so not this path); should one come, its members are taken one by one as before.
+        records = [record for item in items for record in (item.records() if type(item) is Block else (item,))]
         for record in records:
             # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
             self._seq += 1
@@ -225,8 +254,10 @@ class RunIndex:
             self._columns_of.pop(record.shard, None)
             if self.shards.pop(record.shard, None) is not None or self._frames.pop(record.shard, None) is not None:
                 self._frame = self._columns = None
-            self._pending.pop(record.shard, None)
+            if record.shard in self._pending:
+                self._unpend(record.shard)
             self._pending[record.shard] = record
+            self._pending_members += 1
 
     def _reset(self) -> None:
         self.shards.clear()
@@ -236,6 +267,7 @@ class RunIndex:
         self._columns_of.clear()
         self._columns_built = ([], None)
         self._pending.clear()
+        self._pending_members = 0
         self._order.clear()
         self._frame = self._columns = None
         self._cursor = None
@@ -274,7 +306,7 @@ class RunIndex:
         self.problems.pop(str(path), None)
         batch = [record]
         if self.store.file_size(path) is None:
-            self._pending.pop(record.shard)
+            self._unpend(record.shard)
             self.problems[str(path)] = "missing"
             return 0
         try:
@@ -288,7 +320,8 @@ class RunIndex:
             next(names)
             for name in names:
                 other = self._pending[name]
-                if other.file != record.file or other.row_offset < first or other.row_offset + other.rows != batch[-1].row_offset:
+                if (type(other) is Block or other.file != record.file or other.row_offset < first
+                        or other.row_offset + other.rows != batch[-1].row_offset):
                     break  # another file, an earlier row group, or not the rows just before
                 batch.append(other)
             parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,
@@ -296,7 +329,8 @@ class RunIndex:
             table = parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
         except (OSError, pa.ArrowException) as error:
             for member in batch:
-                self._pending.pop(member.shard, None)
+                if member.shard in self._pending:
+                    self._unpend(member.shard)
             self.problems[str(path)] = f"unreadable: {error}"
             logger.error("shards of %s left out of the viewer: %s", path, error)
             return 0
@@ -308,7 +342,7 @@ class RunIndex:
         columns = split_columns(frame, [member.rows for member in batch], self._envs, self._families)
         added = 0
         for member, shard_cols in zip(batch, columns):
-            del self._pending[member.shard]
+            self._unpend(member.shard)
             entry = ShardEntry(len(self.by_id), member, path, member.rows, starts)
             piece = frame.slice(member.row_offset - batch[0].row_offset, member.rows)
             self.by_id.append(entry)
@@ -317,6 +351,57 @@ class RunIndex:
             self._columns_of[member.shard] = shard_cols
             added += piece.height
         return added
+
+    def _add_block(self, key: str, block: Block) -> int:
+        """Index the newest members of a pending block: those whose rows start in the row groups of the merged file
+        that hold its last member (one read), each member's record made as it is indexed; the members before them
+        stay pending as a smaller block (its first members: their commit order is unchanged)."""
+        path = self.store.shard_path(self.run_id, block.file)
+        self.problems.pop(str(path), None)
+        if self.store.file_size(path) is None:
+            self._unpend(key)
+            self._order.pop(key, None)
+            self.problems[str(path)] = "missing"
+            return 0
+        try:
+            metadata, starts = self._merged_metadata(path, block.file)
+            if not starts:
+                raise OSError(f"{path} holds no row groups")
+            last, count = int(block.offsets[-1]), int(block.rows[-1])
+            low, high = _row_group_of(starts, last), _row_group_of(starts, max(last, last + count - 1))
+            first = starts[low]
+            split = min(int(np.searchsorted(block.offsets, first, side="left")), len(block) - 1)
+            parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,
+                                     page_checksum_verification=True)
+            table = parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
+        except (OSError, pa.ArrowException) as error:
+            self._unpend(key)
+            self._order.pop(key, None)
+            self.problems[str(path)] = f"unreadable: {error}"
+            logger.error("shards of %s left out of the viewer: %s", path, error)
+            return 0
+        part = Block(block.file, int(block.offsets[split]), block.members.slice(split))
+        records = part.records()
+        sizes = part.rows.tolist()
+        ids = np.repeat(np.arange(len(self.by_id), len(self.by_id) + len(records), dtype=np.uint32), sizes)
+        frame = index_table(table.slice(part.first - first, part.total), pl.Series(ids), part.first)
+        columns = split_columns(frame, sizes, self._envs, self._families)
+        order = self._order[key] + split
+        for number, (member, shard_cols) in enumerate(zip(records, columns)):
+            entry = ShardEntry(len(self.by_id), member, path, member.rows, starts)
+            piece = frame.slice(member.row_offset - part.first, member.rows)
+            self.by_id.append(entry)
+            self.shards[member.shard] = entry
+            self._frames[member.shard] = piece
+            self._columns_of[member.shard] = shard_cols
+            self._order[member.shard] = order + number
+        if split:
+            self._pending[key] = Block(block.file, block.first, block.members.slice(0, split))
+            self._pending_members -= len(records)
+        else:
+            self._unpend(key)
+            del self._order[key]
+        return frame.height
 
     def _merged_metadata(self, path: Path, name: str) -> tuple[pq.FileMetaData, list[int]]:
         """A compacted file's footer and row-group starts, read once while it is among the last few used."""
@@ -330,18 +415,33 @@ class RunIndex:
         return cached
 
     def _refresh_stats(self) -> None:
-        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed."""
+        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed: the ones new or
+        changed since the last look (a live run adds one per chunk; re-reading every chunk's file each time grew
+        with the run's history)."""
         files = sorted(self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
-        key = tuple((p.name, p.stat().st_mtime_ns) for p in files if p.exists())
+        stats = []
+        for path in files:
+            try:
+                stats.append((path, path.stat()))
+            except FileNotFoundError:
+                continue
+        key = tuple((path.name, stat.st_mtime_ns) for path, stat in stats)
         if key == self._stats_key:
             return
         self._stats_key = key
         self.chunk_stats, self.run_stats = {}, {}
-        for path in files:
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
+        known, self._stats_files = self._stats_files, {}
+        for path, stat in stats:
+            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            cached = known.get(path.name)
+            if cached is not None and cached[0] == version:
+                data = cached[1]
+            else:
+                try:
+                    data = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+            self._stats_files[path.name] = (version, data)
             if match := _CHUNK_STATS.match(path.name):
                 self.chunk_stats[(match["producer"], int(match["chunk"]))] = data
             elif match := _RUN_STATS.match(path.name):
@@ -551,9 +651,20 @@ class StoreIndex:
         return self._runs.get(run_id)
 
     def commit_counts(self, run_id: str) -> tuple[int, int]:
-        """(groups, shards) of a run from its commit log alone, without indexing it."""
-        records = self.store.committed(run_id)
-        return sum(r.rows for r in records.values()), len(records)
+        """(groups, shards) of a run from its commit log alone, without indexing it (a merged file's block of
+        members counted whole, not a record made per member)."""
+        changed_items = getattr(self.store, "changed_items", None)
+        if changed_items is None:
+            records = self.store.committed(run_id)
+            return sum(r.rows for r in records.values()), len(records)
+        _, items = changed_items(run_id)
+        groups = shards = 0
+        for item in items:
+            if type(item) is Block:
+                groups, shards = groups + item.total, shards + len(item)
+            else:
+                groups, shards = groups + item.rows, shards + 1
+        return groups, shards
 
 
 def _local_run_dir(store: StoreReader, run_id: str) -> Path | None:

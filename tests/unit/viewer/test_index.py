@@ -142,3 +142,35 @@ def test_a_budgeted_refresh_indexes_newest_shards_first_and_keeps_commit_order(s
     assert index.pending == 2 and set(index.frame["policy_version"]) == {2}  # the newest chunk
     assert index.refresh() == 40 and index.pending == 0
     assert index.frame["policy_version"].to_list() == [0] * 20 + [1] * 20 + [2] * 20
+
+
+def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch):
+    from pathlib import Path
+
+    reads: list[str] = []
+    read_text = Path.read_text
+
+    def counted(self, *args, **kwargs):
+        if self.name.startswith("stats-"):
+            reads.append(self.name)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    index = RunIndex(store, "run-1")
+    index.refresh()
+    assert sorted(reads) == [f"stats-datagen-{chunk:08d}.json" for chunk in range(3)]
+    reads.clear()
+    write_chunk(store, "run-1", 3, [make_group(60 + i, "run-1", 3) for i in range(5)])
+    changed = {"groups_kept": 7, "dropped": {"failed": 2}}
+    store.write_run_file("run-1", "stats-datagen-00000001.json", json.dumps(changed))
+    store.write_run_file("run-1", "stats-datagen.json", json.dumps({"groups_kept": 99, "flow_run_id": "other"}))
+    index.refresh()
+    assert sorted(reads) == ["stats-datagen-00000001.json", "stats-datagen-00000003.json", "stats-datagen.json"]
+    fresh = RunIndex(store, "run-1")
+    fresh.refresh()
+    assert index.chunk_stats == fresh.chunk_stats and index.run_stats == fresh.run_stats
+    assert index.drops() == fresh.drops() and index.drops()["kept"] == 20 + 7 + 20 + 5
+    assert index.flow_runs() == fresh.flow_runs()
+    (store.run_dir("run-1") / "stats-datagen-00000000.json").unlink()
+    index.refresh()
+    assert (0 not in {chunk for _, chunk in index.chunk_stats}) and index.drops()["kept"] == 7 + 20 + 5
