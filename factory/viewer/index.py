@@ -282,21 +282,33 @@ class RunIndex:
         if size != record.bytes and not record.file:
             self.problems[str(path)] = f"size is {size} bytes, commit log says {record.bytes}"
             return 0
-        entry = ShardEntry(len(self.by_id), record, path, record.rows)
+        shard_id = len(self.by_id)  # the id _register gives it
         try:
             if record.file:  # rows row_offset.. of a merged file; "row" stays the row in that file
-                frame = index_shard(path, entry.shard_id, (record.row_offset, record.rows), self.store.filesystem)
+                frame = index_shard(path, shard_id, (record.row_offset, record.rows), self.store.filesystem)
             else:
-                frame = index_shard(path, entry.shard_id, filesystem=self.store.filesystem)
+                frame = index_shard(path, shard_id, filesystem=self.store.filesystem)
         except (OSError, pa.ArrowException) as error:
             self.problems[str(path)] = f"unreadable: {error}"
             logger.error("shard %s left out of the viewer: %s", path, error)
             return 0
+        self._register(record, path, frame, shard_columns(frame, self._envs, self._families))
+        return frame.height
+
+    def _register(self, record: CommitRecord, path: Path, frame: pl.DataFrame, columns: Any,
+                  row_group_starts: list[int] | None = None) -> None:
+        """An indexed shard (or member of a merged file): its entry, its frame and its columns, under its name."""
+        entry = ShardEntry(len(self.by_id), record, path, record.rows, row_group_starts)
         self.by_id.append(entry)
         self.shards[record.shard] = entry
         self._frames[record.shard] = frame
-        self._columns_of[record.shard] = shard_columns(frame, self._envs, self._families)
-        return frame.height
+        self._columns_of[record.shard] = columns
+
+    def _read_row_groups(self, path: Path, metadata: pq.FileMetaData, low: int, high: int) -> pa.Table:
+        """Row groups low..high of a merged file, the viewer's index columns only, its footer already parsed."""
+        parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,
+                                 page_checksum_verification=True)
+        return parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
 
     def _add_merged(self, record: CommitRecord) -> int:
         """Index a compacted shard together with the pending shards before it that lie in the same row groups of
@@ -324,9 +336,7 @@ class RunIndex:
                         or other.row_offset + other.rows != batch[-1].row_offset):
                     break  # another file, an earlier row group, or not the rows just before
                 batch.append(other)
-            parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,
-                                     page_checksum_verification=True)
-            table = parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
+            table = self._read_row_groups(path, metadata, low, high)
         except (OSError, pa.ArrowException) as error:
             for member in batch:
                 if member.shard in self._pending:
@@ -343,12 +353,8 @@ class RunIndex:
         added = 0
         for member, shard_cols in zip(batch, columns):
             self._unpend(member.shard)
-            entry = ShardEntry(len(self.by_id), member, path, member.rows, starts)
             piece = frame.slice(member.row_offset - batch[0].row_offset, member.rows)
-            self.by_id.append(entry)
-            self.shards[member.shard] = entry
-            self._frames[member.shard] = piece
-            self._columns_of[member.shard] = shard_cols
+            self._register(member, path, piece, shard_cols, starts)
             added += piece.height
         return added
 
@@ -371,9 +377,7 @@ class RunIndex:
             low, high = _row_group_of(starts, last), _row_group_of(starts, max(last, last + count - 1))
             first = starts[low]
             split = min(int(np.searchsorted(block.offsets, first, side="left")), len(block) - 1)
-            parquet = pq.ParquetFile(path, filesystem=self.store.filesystem, metadata=metadata,
-                                     page_checksum_verification=True)
-            table = parquet.read_row_groups(list(range(low, high + 1)), columns=_index_columns(parquet))
+            table = self._read_row_groups(path, metadata, low, high)
         except (OSError, pa.ArrowException) as error:
             self._unpend(key)
             self._order.pop(key, None)
@@ -388,12 +392,7 @@ class RunIndex:
         columns = split_columns(frame, sizes, self._envs, self._families)
         order = self._order[key] + split
         for number, (member, shard_cols) in enumerate(zip(records, columns)):
-            entry = ShardEntry(len(self.by_id), member, path, member.rows, starts)
-            piece = frame.slice(member.row_offset - part.first, member.rows)
-            self.by_id.append(entry)
-            self.shards[member.shard] = entry
-            self._frames[member.shard] = piece
-            self._columns_of[member.shard] = shard_cols
+            self._register(member, path, frame.slice(member.row_offset - part.first, member.rows), shard_cols, starts)
             self._order[member.shard] = order + number
         if split:
             self._pending[key] = Block(block.file, block.first, block.members.slice(0, split))
