@@ -119,7 +119,6 @@ class ApiWatch:
         self.probe = probe or _get_health
         self.last_probe: float | None = None
         self.down_since: float | None = None
-        self.last_error: BaseException | None = None
 
     def check(self) -> None:
         now = self.clock()
@@ -130,14 +129,13 @@ class ApiWatch:
         try:
             self.probe(self.health_url)
         except Exception as error:  # noqa: BLE001 - any failure to get an answer counts as down
-            self.last_error = error
             if self.down_since is None:
                 self.down_since = now
             _api_down = True
             if now - self.down_since >= self.window_s:
                 raise PrefectApiGone(f"no answer from {self.health_url} for {now - self.down_since:.0f}s") from error
         else:
-            self.down_since, self.last_error, _api_down = None, None, False
+            self.down_since, _api_down = None, False
 
 
 class PrefectApiGone(RuntimeError):

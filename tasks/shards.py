@@ -30,17 +30,15 @@ def write_shard_retrying(root: str, run_id: str, producer: str, chunk: int, grou
     `write_shard_task`, without its Prefect engine and server cost); a retry is safe because a committed chunk
     is skipped.
     """
-    for attempt in range(len(delays_s) + 1):
+    for attempt, delay in enumerate(delays_s, start=1):
         try:
             return write_shard(root, run_id, producer, chunk, groups)
         except Exception as error:
-            if attempt == len(delays_s):
-                raise
             (logger or logging.getLogger(__name__)).warning(
                 "chunk %d: shard commit failed (%s: %s); retry %d of %d in %gs", chunk, type(error).__name__, error,
-                attempt + 1, len(delays_s), delays_s[attempt])
-            sleep(delays_s[attempt])
-    raise AssertionError("unreachable")
+                attempt, len(delays_s), delay)
+            sleep(delay)
+    return write_shard(root, run_id, producer, chunk, groups)  # the last try: its error is the run's
 
 
 write_shard_task = task(
