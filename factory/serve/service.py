@@ -348,9 +348,28 @@ class BatchService:
                     logger.error("indexed compacted file %s is gone or unreadable; its unserved groups are lost: %s", path, error)
                     continue
                 if len(ranges) >= 50_000:
-                    self._enqueue_ranges(ranges, taken)
-                    ranges = []
+                    enqueue()
                 ranges.append((table, first, member_rows, first_source))
+
+        deferred: list[int] = []
+        summaries: list[dict[str, Any]] = []
+
+        def enqueue() -> None:
+            """Queue `ranges`, the shards among them whose records carry their index given one table made from
+            those summaries first (`follower.summarized_index`: their files are not opened)."""
+            nonlocal ranges
+            if deferred:
+                from factory.index_runs import table_of_many
+
+                table, at = table_of_many(summaries), 0
+                for position in deferred:
+                    _, _, rows_, source_ = ranges[position]
+                    ranges[position] = (table, at, rows_, source_)
+                    at += rows_
+                deferred.clear()
+                summaries.clear()
+            self._enqueue_ranges(ranges, taken)
+            ranges = []
 
         for source, run_id, shard, rows in sources:
             add_blocks_before(source)
@@ -363,6 +382,14 @@ class BatchService:
             done = taken.count(source) if taken is not None else 0
             if done >= rows:
                 continue
+            own = locator.summary(run_id, shard, rows, path) if not offset else None
+            if own is not None:  # its index from its commit record (made with the others' at `enqueue`)
+                if len(ranges) >= 50_000:
+                    enqueue()
+                deferred.append(len(ranges))
+                summaries.append(own)
+                ranges.append((None, 0, rows, source))
+                continue
             try:
                 table = indexes.file(path, offset, rows)
             except OSError as error:
@@ -370,11 +397,10 @@ class BatchService:
                              rows - done, error)
                 continue
             if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
-                self._enqueue_ranges(ranges, taken)
-                ranges = []
+                enqueue()
             ranges.append((table, offset, rows, source))
         add_blocks_before(None)
-        self._enqueue_ranges(ranges, taken)
+        enqueue()
         logger.info("served state loaded: step %d, %d groups queued from %d shards and %d blocks of compacted files",
                     self.step, self.queue.groups, len(self.sources), len(self._block_firsts))
 
@@ -531,7 +557,7 @@ class BatchService:
                 self._add_block(source, shard.run_id, shard.file, shard.path, shard.first, shard.member_rows)
                 ranges.append((shard.file_index, shard.first, shard.member_rows, source))
                 continue
-            ranges.append((shard.file_index, shard.row_offset, shard.rows, source))
+            ranges.append((shard.file_index, shard.index_at, shard.rows, source))
             self.sources[source] = shard.path
             self._source_ids[(shard.run_id, shard.shard)] = source
             if shard.row_offset:
