@@ -4,7 +4,8 @@ Layout under `root`::
 
     <run_id>/shards/<producer>-<chunk:08d>.parquet   committed shards (zstd, page checksums)
     <run_id>/shards/.<name>.<nonce>.tmp               a shard being written (hidden from globbing readers)
-    <run_id>/commits.jsonl                            one checksummed line per commit: shard, rows, bytes, sha256
+    <run_id>/commits.jsonl                            one checksummed line per commit: shard, rows, bytes, sha256,
+                                                      index columns as runs (factory/index_runs.py)
 
 A commit writes a hidden temporary file and fsyncs it and its directory; then,
 under the run's lock, it appends the commit record in one checked write and
@@ -948,6 +949,11 @@ class ShardStore:
     def index_summary(self, run_id: str, file: str) -> dict[str, Any] | None:
         """The index columns of a compacted file as runs, if its compaction recorded them (factory/index_runs.py)."""
         return self._read_log(run_id).index_runs.get(file)
+
+    def current(self, run_id: str) -> Records:
+        """The run's current records as this store object has parsed them now (the mapping itself, not a copy: a
+        start-up that looks up every indexed shard reads the log once, not once per shard)."""
+        return self._read_log(run_id).records
 
     def where(self, run_id: str, shard: str) -> tuple[str, int] | None:
         """(name of the file holding a committed shard's rows, first row in it), or None; no record is made."""
