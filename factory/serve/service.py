@@ -1188,13 +1188,15 @@ class BatchService:
             self._prefetched = (entries, body)
 
     def _leave_out_unreadable(self, entries: list[Any], error: PayloadError) -> bool:
-        """A batch could not be read because one file cannot (`error.path`): its groups in `entries` leave the queue,
-        unserved and not recorded as served (a restart queues them again, and they are served then if the file was
-        repaired); the batch is formed again without them. The scan no longer opens a shard whose commit record
-        carries its index (factory/index_runs.py), so a damaged one is found here, when its rows are read.
-        Returns whether any entry was left out."""
+        """A batch could not be read because one file that is there cannot (`error.path`: damaged): its groups in
+        `entries` leave the queue, unserved and not recorded as served (a restart queues them again, and they are
+        served then if the file was repaired); the batch is formed again without them. The scan no longer opens a
+        shard whose commit record carries its index (factory/index_runs.py), so a damaged one is found here, when
+        its rows are read. Returns whether any entry was left out."""
         path = getattr(error, "path", None)
-        if path is None:
+        if path is None or self.store.file_size(path) is None:
+            # gone, not damaged: a compaction that removed its members before this service's next scan moves their
+            # rows (`_relocate`), so the batch fails (503) and is formed again later, as before
             return False
         bad = [e for e in entries if str(self._location(e.source, e.row)[0]) == str(path)]
         if not bad:

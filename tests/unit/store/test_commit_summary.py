@@ -253,3 +253,30 @@ def test_a_damaged_shard_whose_record_has_a_summary_is_left_out_when_read_and_th
     path.write_bytes(data)  # repaired: a restart queues the groups left out, and serves them
     again = asyncio.run(life(10))  # 8 of them: the last 2 groups (4 sequences) do not fill a batch of 8
     assert len(again) == len(set(again)) == 8 and set(again) <= {g.group_id for g in groups[10:20]}
+
+
+def test_a_shard_gone_after_it_was_queued_fails_the_batch_and_leaves_its_groups_queued(tmp_path):
+    """Gone, not damaged (e.g. a compaction removed it before this service's next scan moved its rows): the batch
+    fails as before (the trainer retries it), and nothing leaves the queue."""
+    from factory.serve.contract import PayloadError
+
+    store = ShardStore(tmp_path)
+    for chunk in range(2):
+        store.commit(RUN, "w0", chunk, list(synthetic_groups(4, start=4 * chunk, group_size=2, seq_len=8, env="e")))
+    registration = dict(wandb_group="g", wandb_project="p", batch_size=16, max_token_len=64, checkpoint_dir="ckpt",
+                        save_checkpoint_interval=0, starting_step=0, num_steps=1000)
+    cfg = ServeConfig(store_root=str(tmp_path), follow_interval_s=3600, follow_runs=[RUN], prefetch=False,
+                      state_path=str(tmp_path / "state.db"))
+
+    async def life() -> int:
+        service = BatchService(cfg)
+        await service.start()
+        await service.register(registration)
+        (store.shards_dir(RUN) / "w0-00000001.parquet").unlink()
+        with pytest.raises(PayloadError):
+            await service.next_batch(False)
+        groups = service.queue.groups
+        await service.stop()
+        return groups
+
+    assert asyncio.run(life()) == 8
