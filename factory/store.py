@@ -4,7 +4,8 @@ Layout under `root`::
 
     <run_id>/shards/<producer>-<chunk:08d>.parquet   committed shards (zstd, page checksums)
     <run_id>/shards/.<name>.<nonce>.tmp               a shard being written (hidden from globbing readers)
-    <run_id>/commits.jsonl                            one checksummed line per commit: shard, rows, bytes, sha256
+    <run_id>/commits.jsonl                            one checksummed line per commit: shard, rows, bytes, sha256,
+                                                      index columns as runs (factory/index_runs.py)
 
 A commit writes a hidden temporary file and fsyncs it and its directory; then,
 under the run's lock, it appends the commit record in one checked write and
@@ -47,6 +48,7 @@ from pydantic import ValidationError
 
 from environments.groups import ScoredGroup, describe_validation_error
 from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
+from factory.index_runs import intern, summarize_rows, summarize_table, total_rows, valid
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
 from factory.store_records import MEMBER_FIELDS, Block, Records, chunk_ranges, column, int64_values
 from factory.store_records import table as make_table
@@ -121,6 +123,9 @@ class CommitRecord:
     """The file holding the shard's rows once a compaction merged it (empty: the shard's own file)."""
     row_offset: int = 0
     """Where the shard's rows start in `file`."""
+    index: dict[str, Any] | None = field(default=None, compare=False)
+    """The shard's index columns (env, env_id, policy_version, group_size) as runs (factory/index_runs.py), as
+    its commit wrote them; None in records written before (and once compacted: the merged file's summary holds)."""
 
     @property
     def physical(self) -> str:
@@ -131,6 +136,8 @@ class CommitRecord:
         record = asdict(self)
         for name in ("skipped", "file", "row_offset"):  # not part of a commit line: compaction records say where rows moved
             record.pop(name)
+        if record["index"] is None:  # lines as before where there is no summary
+            record.pop("index")
         return record
 
     def to_json(self) -> str:
@@ -145,9 +152,12 @@ class CommitRecord:
     def from_dict(cls, data: dict[str, Any]) -> CommitRecord:
         """A record from a parsed line; keys this version does not know are ignored."""
         known = {name: data[name] for name in cls.__dataclass_fields__
-                 if name in data and name not in ("skipped", "file", "row_offset")}
+                 if name in data and name not in ("skipped", "file", "row_offset", "index")}
+        summary = data.get("index")
+        if summary is not None:  # kept only where it is well formed and adds up to the record's rows
+            summary = intern(summary) if valid(summary, known.get("rows")) else None
         try:
-            return cls(**known)
+            return cls(**known, index=summary)
         except TypeError as error:
             raise CommitLineError(f"not a commit record: {error}") from None
 
@@ -219,7 +229,7 @@ class _LogTail:
             if record is not None and record.sha256 == sha256 and record.rows == rows:
                 # dataclasses.replace, without its per-field checks (a compaction record moves thousands of shards)
                 moved = new(CommitRecord)
-                moved.__dict__.update(record.__dict__, file=name, row_offset=offset)
+                moved.__dict__.update(record.__dict__, file=name, row_offset=offset, index=None)
                 records[shard] = moved  # (may turn blocks back into records first, which renews self.changed)
                 self.changed.append(shard)
             else:  # the compactor checks this under the run's lock; a mismatch means a hand-edited log
@@ -268,29 +278,44 @@ MANIFEST_EVERY_LINES = 1000
 its cost stays proportional to the log's growth."""
 _MANIFEST_VERSION = 2
 """1: a row per record. 2: a row per record not compacted, and a row per run of consecutive members of one merged
-file (`shard` empty, `file`, `row_offset` of the first member, `rows` in all), its members in the `members` list."""
+file (`shard` empty, `file`, `row_offset` of the first member, `rows` in all), its members in the `members` list;
+and, where the manifest has an `index` column (written since the commit records carry one), each record's index
+summary as JSON (dictionary-encoded: a run's shards share a handful of summaries; "" for none). A manifest without
+the column is read as before (no summaries: those shards' files are read), and a reader that does not know the
+column ignores it."""
 _MANIFEST_SCHEMA = pa.schema([
     ("shard", pa.string()), ("run_id", pa.string()), ("producer", pa.string()), ("chunk", pa.int64()),
     ("rows", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string()), ("committed_at", pa.string()),
     ("file", pa.string()), ("row_offset", pa.int64()),
 ])
 _MEMBER_SCHEMA = pa.schema([_MANIFEST_SCHEMA.field(name) for name in MEMBER_FIELDS])
-_MANIFEST_SCHEMA_V2 = _MANIFEST_SCHEMA.append(pa.field("members", pa.list_(pa.struct(list(_MEMBER_SCHEMA)))))
+_MANIFEST_SCHEMA_V2 = _MANIFEST_SCHEMA.append(pa.field("members", pa.list_(pa.struct(list(_MEMBER_SCHEMA))))).append(
+    pa.field("index", pa.dictionary(pa.int32(), pa.string())))
 
 
 def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None]:
     """The manifest's rows (see _MANIFEST_VERSION): records as they are, runs of members of a merged file (blocks
     loaded as such, or records that a compaction moved since) as one row each."""
     columns: dict[str, list[Any]] = {name: [] for name in _MANIFEST_SCHEMA.names}
+    summaries: list[int] = []
+    """Per row, its code in `texts` (the record's index summary as JSON; 0: none)."""
+    texts: dict[str, int] = {"": 0}
+    codes: dict[int, int] = {}
     offsets = [0]
     pieces: list[pa.Table] = []
     loose: dict[str, list[Any]] = {name: [] for name in MEMBER_FIELDS}
     run: list[CommitRecord] = []
 
-    def row(values: dict[str, Any], members: int) -> None:
+    def row(values: dict[str, Any], members: int, summary: dict[str, Any] | None = None) -> None:
         for name in _MANIFEST_SCHEMA.names:
             columns[name].append(values[name])
         offsets.append(offsets[-1] + members)
+        code = 0
+        if summary is not None:
+            code = codes.get(id(summary))
+            if code is None:
+                code = codes[id(summary)] = texts.setdefault(json.dumps(summary, separators=(",", ":")), len(texts))
+        summaries.append(code)
 
     def block_row(file: str, first: int, rows: int, members: int) -> None:
         row({"shard": "", "run_id": "", "producer": "", "chunk": 0, "rows": rows, "bytes": 0, "sha256": "",
@@ -322,14 +347,15 @@ def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]]
             run.append(item)
         else:
             flush_run()
-            row(asdict(item), 0)
+            row(item.__dict__, 0, item.index)
     flush_run()
     flush_loose()
     members = pa.concat_tables(pieces) if pieces else _MEMBER_SCHEMA.empty_table()
     values = pa.StructArray.from_arrays([members.column(name).combine_chunks() for name in MEMBER_FIELDS],
                                         fields=list(_MEMBER_SCHEMA))
     lists = pa.ListArray.from_arrays(column(offsets, pa.int32()), values)
-    table = pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists], schema=_MANIFEST_SCHEMA_V2)
+    index = pa.DictionaryArray.from_arrays(column(summaries, pa.int32()), column(list(texts), pa.string()))
+    table = pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists, index], schema=_MANIFEST_SCHEMA_V2)
     return table, chunk_ranges(members.column("shard"))
 
 
@@ -381,6 +407,13 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
             lists = table.column("members").combine_chunks()
             bounds = int64_values(lists.offsets).tolist()
             members = pa.Table.from_arrays(lists.values.flatten(), names=MEMBER_FIELDS)
+        summaries: list[Any] | None = None
+        if "index" in table.column_names:  # (see _MANIFEST_VERSION) each distinct summary parsed once
+            index = table.column("index").combine_chunks()
+            parsed = [json.loads(text) if text else None for text in index.dictionary.to_pylist()]
+            summaries = [None if s is None else intern(s) for s in parsed]
+            totals = [total_rows(s) for s in summaries]  # a row's summary is used where it adds up to its rows
+            codes = int64_values(index.indices).tolist()
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as error:
@@ -396,7 +429,10 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
     new = object.__new__
     records = loaded.records
     items = records._items
-    for at_row, (shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset) in enumerate(zip(*columns)):
+    if summaries is None:
+        summaries, totals, codes = [None], [None], itertools.repeat(0)
+    for at_row, ((shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset), code) in enumerate(
+            zip(zip(*columns), codes)):
         if not shard and members is not None:  # a block of a merged file's members: one object, not one per member
             low = bounds[at_row]
             records.add_block(Block(file, row_offset, members.slice(low, bounds[at_row + 1] - low)))
@@ -405,8 +441,9 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
         record = items[shard] = new(CommitRecord)
         fields = record.__dict__
         (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
-         fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"]) = (
-            shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset)
+         fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"],
+         fields["index"]) = (shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset,
+                             summaries[code] if code and totals[code] == count else None)
     chunks = meta.get("chunks")
     if records.has_blocks and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved with them
         records.set_chunk_ranges({p: (int(lo), int(hi)) for p, (lo, hi) in chunks["ranges"].items()}
@@ -518,7 +555,8 @@ def _verified_sha256(path: Path) -> str:
     return _VERIFIED[key]
 
 
-def _write_rows(path: Path, rows: pa.RecordBatch | pa.Table, row_group_groups: int) -> tuple[int, int, str]:
+def _write_rows(path: Path, rows: pa.RecordBatch | pa.Table, row_group_groups: int
+                ) -> tuple[int, int, str, dict[str, Any] | None]:
     """`_write_parquet` for rows already in GROUP_SCHEMA (the batching API's ingest path builds them directly).
 
     The rows are in memory already, so the file is encoded into an Arrow buffer (not through a Python file
@@ -537,7 +575,7 @@ def _write_rows(path: Path, rows: pa.RecordBatch | pa.Table, row_group_groups: i
         os.fsync(fd)
     finally:
         os.close(fd)
-    return rows.num_rows, len(data), checksum
+    return rows.num_rows, len(data), checksum, summarize_table(rows)
 
 
 class ShardStore:
@@ -582,6 +620,13 @@ class ShardStore:
             return os.stat(path).st_size
         except FileNotFoundError:
             return None
+
+    def shard_names(self, run_id: str) -> set[str]:
+        """Names under the run's `shards/` (one listing: a follower's presence check for many shards at once)."""
+        try:
+            return set(os.listdir(self.shards_dir(run_id)))
+        except FileNotFoundError:
+            return set()
 
     def check(self) -> None:
         """Nothing to check up front on a local store (an object store checks its bucket here)."""
@@ -646,7 +691,7 @@ class ShardStore:
         logged = False
         try:
             try:
-                rows, size, checksum = self._write_parquet(tmp, groups, row_group_groups)
+                rows, size, checksum, summary = self._write_parquet(tmp, groups, row_group_groups)
                 fsync_dir(shards)  # the temporary's name is durable before a record points at it
             except OSError as error:
                 raise _write_failure("writing shard", tmp, error) from error
@@ -659,6 +704,7 @@ class ShardStore:
                 bytes=size,
                 sha256=checksum,
                 committed_at=datetime.now(timezone.utc).isoformat(),
+                index=summary,
             )
             with self._locked(run_id):
                 if not replace and (existing := self.record(run_id, name)) is not None:
@@ -793,8 +839,9 @@ class ShardStore:
     @staticmethod
     def _write_parquet(
         path: Path, groups: Iterable[ScoredGroup | dict[str, Any]], row_group_groups: int
-    ) -> tuple[int, int, str]:
-        """Write and fsync the shard file; returns (rows, bytes, sha256 of the bytes written).
+    ) -> tuple[int, int, str, dict[str, Any] | None]:
+        """Write and fsync the shard file; returns (rows, bytes, sha256 of the bytes written, the rows' index
+        columns as runs for the commit record, see factory/index_runs.py).
 
         The checksum is taken from the bytes as they go to the file, not by reading the file back: the
         commit record still names exactly what was written and fsynced, without a second pass over it.
@@ -803,6 +850,7 @@ class ShardStore:
             return _write_rows(path, groups, row_group_groups)
         rows = 0
         pending: list[ScoredGroup] = []
+        index_rows: tuple[list[Any], ...] = ([], [], [], [])
         with open(path, "wb") as raw:
             handle = _HashingFile(raw)
             writer = pq.ParquetWriter(handle, GROUP_SCHEMA, write_page_checksum=True, **PARQUET_OPTIONS)
@@ -816,6 +864,8 @@ class ShardStore:
                                 f"group {index} of the chunk is invalid: {describe_validation_error(error)}"
                             ) from None
                     pending.append(group)
+                    for column, value in zip(index_rows, (group.env, group.env_id, group.policy_version, group.group_size)):
+                        column.append(value)
                     if len(pending) >= WRITE_BATCH_GROUPS:
                         writer.write_batch(groups_to_record_batch(pending), row_group_size=row_group_groups)
                         rows += len(pending)
@@ -827,7 +877,7 @@ class ShardStore:
                 writer.close()
             raw.flush()
             os.fsync(raw.fileno())
-        return rows, handle.size, handle.digest.hexdigest()
+        return rows, handle.size, handle.digest.hexdigest(), summarize_rows(*index_rows)
 
     def write_run_file(self, run_id: str, name: str, text: str) -> Path:
         """Atomically write a small file next to a run's shards (resolved config, stats)."""
@@ -899,6 +949,11 @@ class ShardStore:
     def index_summary(self, run_id: str, file: str) -> dict[str, Any] | None:
         """The index columns of a compacted file as runs, if its compaction recorded them (factory/index_runs.py)."""
         return self._read_log(run_id).index_runs.get(file)
+
+    def current(self, run_id: str) -> Records:
+        """The run's current records as this store object has parsed them now (the mapping itself, not a copy: a
+        start-up that looks up every indexed shard reads the log once, not once per shard)."""
+        return self._read_log(run_id).records
 
     def where(self, run_id: str, shard: str) -> tuple[str, int] | None:
         """(name of the file holding a committed shard's rows, first row in it), or None; no record is made."""

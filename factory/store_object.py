@@ -59,6 +59,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from environments.groups import ScoredGroup
+from factory.index_runs import summarize_table
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
 from factory.store import (PARQUET_OPTIONS, READ_BATCH_GROUPS, CommitRecord, ShardProblem, ShardStore, StoreError,
                            _batches_in_ranges, _check_name, _take_ranges, shard_name)
@@ -255,6 +256,7 @@ class ObjectShardStore:
             record = CommitRecord(
                 shard=name, run_id=run_id, producer=producer, chunk=chunk, rows=table.num_rows, bytes=data.size,
                 sha256=hashlib.sha256(memoryview(data)).hexdigest(), committed_at=datetime.now(timezone.utc).isoformat(),
+                index=summarize_table(table),
             )
             with self.fs.open_output_stream(self._record_path(run_id, name)) as out:  # the commit
                 out.write(record.to_line())

@@ -97,7 +97,7 @@ def _merge(store: ObjectShardStore, run_id: str, batch: list[CommitRecord], row_
     record = {
         "compact": name, "run_id": run_id, "rows": merged.num_rows, "bytes": data.size,
         "sha256": hashlib.sha256(memoryview(data)).hexdigest(),
-        "members": [{k: v for k, v in asdict(r).items() if k not in ("skipped", "file", "row_offset")} for r in batch],
+        "members": [{k: v for k, v in asdict(r).items() if k not in ("skipped", "file", "row_offset", "index")} for r in batch],
         "committed_at": datetime.now(timezone.utc).isoformat(),
     }
     try:

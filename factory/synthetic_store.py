@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.commit_log import encode_line
+from factory.index_runs import summarize_table
 from factory.parquet_concat import _put_zigzag
 from factory.parquet_pages import _field_spans
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch
@@ -97,6 +98,8 @@ class ShardFactory:
         self.env = env
         batch = groups_to_record_batch(list(synthetic_groups(groups_per_shard, group_size=group_size, seq_len=seq_len, env=env)))
         self._payload = pa.Table.from_batches([batch]).cast(GROUP_SCHEMA)
+        self.summary = summarize_table(self._payload)
+        """The index summary of every shard's rows (their env, env_id, version and size are the payload's)."""
         self._templates: dict[tuple[int, ...], _Template] = {}
         self.slow = 0
         """Shards written by pyarrow because no template had their CRC lengths yet."""
@@ -183,11 +186,14 @@ def _header_length(buf: bytes) -> int:
     return spans[-1][2] + 1  # the stop byte
 
 
-def commit_line(run_id: str, producer: str, chunk: int, rows: int, data: bytes) -> bytes:
-    """The commit-log line `ShardStore.commit` appends for this shard (`CommitRecord(...).to_line()`)."""
-    return encode_line({"shard": shard_name(producer, chunk), "run_id": run_id, "producer": producer, "chunk": chunk,
-                        "rows": rows, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                        "committed_at": COMMITTED_AT})
+def commit_line(run_id: str, producer: str, chunk: int, rows: int, data: bytes, index: dict | None = None) -> bytes:
+    """The commit-log line `ShardStore.commit` appends for this shard (`CommitRecord(...).to_line()`; `index`: the
+    rows' summary, factory/index_runs.py)."""
+    record = {"shard": shard_name(producer, chunk), "run_id": run_id, "producer": producer, "chunk": chunk,
+              "rows": rows, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "committed_at": COMMITTED_AT}
+    if index is not None:
+        record["index"] = index
+    return encode_line(record)
 
 
 def write_shards(shards_dir: str, run_id: str, producer: str, chunks: range, options: dict) -> tuple[bytes, int]:
@@ -203,7 +209,7 @@ def write_shards(shards_dir: str, run_id: str, producer: str, chunks: range, opt
                 raise OSError(f"short write of shard {chunk}")
         finally:
             os.close(fd)
-        lines.append(commit_line(run_id, producer, chunk, factory.groups_per_shard, data))
+        lines.append(commit_line(run_id, producer, chunk, factory.groups_per_shard, data, factory.summary))
         total += len(data)
     return b"".join(lines), total
 

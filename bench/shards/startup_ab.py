@@ -4,6 +4,7 @@ one-transaction-per-scan change measured as a ratio on a noisy machine.
     python -m bench.shards.startup_ab --shards 3000 --a /tmp/old-tree --b . --rounds 3
     python -m bench.shards.startup_ab --smoke          # 200 shards, this tree against itself, 1 round
     python -m bench.shards.startup_ab --shards 100000 --a /tmp/old-tree --b . --rounds 2 --restart
+    python -m bench.shards.startup_ab --shards 10000 --no-compact --a /tmp/old-tree --b . --restart --digest
 
 The store is built and compacted once with this tree's bench.shards.scale; every start-up runs in a fresh
 process with PYTHONPATH set to the tree under test and an empty served state (every shard gets indexed).
@@ -11,7 +12,8 @@ The run's manifest (a cache of the parsed log, whose format a tree may change) i
 the log, and put in place before each of that tree's start-ups: each tree starts from its own checkpoint.
 `--restart` also measures, after each fresh start-up, a restart from a served state in which every shard is
 indexed and 2,000 groups are taken (`--taken N`: N; rows 0..9 of every 7th shard from the first on, as many as
-it takes) (made once by each tree, copied for each of its start-ups).
+it takes) (made once by each tree, copied for each of its start-ups). `--no-compact` measures the store as
+built (every shard its own file); `--digest` checks that both trees queue the same groups in the same order.
 """
 
 from __future__ import annotations
@@ -27,10 +29,33 @@ import sys
 import tempfile
 from pathlib import Path
 
+def queue_digest(queue) -> str:
+    """sha256 of every lane's queued groups in order: (arrival number, source, row, size, version) as int64, lane
+    by lane in lane order with its key; the same for blocks or entries (a tree may keep them either way)."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for lane in sorted(queue._lanes):
+        digest.update(repr(queue.lane_key_of[lane]).encode())
+        parts = []
+        for item in queue._lanes[lane]:
+            if hasattr(item, "lo"):  # a block: rows lo..hi of its arrays
+                parts.append(np.stack([np.asarray(a[item.lo:item.hi], dtype=np.int64) for a in
+                                       (item.seqs, item.sources, item.rows, item.sizes, item.versions)], axis=1))
+            elif item.state == 0:  # QUEUED
+                parts.append(np.array([[item.seq, item.source, item.row, item.size, item.version]], dtype=np.int64))
+        if parts:
+            digest.update(np.ascontiguousarray(np.concatenate(parts)).tobytes())
+    return digest.hexdigest()
+
+
 _STARTUP = """
 import asyncio, json, resource, sys, time
 from factory.serve.config import ServeConfig
 from factory.serve.service import BatchService
+%s
 
 async def main():
     begin = time.perf_counter()
@@ -39,9 +64,10 @@ async def main():
     await service.start()
     took = time.perf_counter() - begin
     queued = service.queue.groups
-    await service.stop()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"startup_s": took, "queued": queued, "peak_rss_mb": rss}))
+    digest = queue_digest(service.queue) if "--digest" in sys.argv else ""
+    await service.stop()
+    print(json.dumps({"startup_s": took, "queued": queued, "peak_rss_mb": rss, "digest": digest}))
 
 asyncio.run(main())
 """
@@ -64,10 +90,15 @@ def save_manifest_with(tree: str, root: Path, keep: Path) -> None:
     shutil.copy(root / "gen" / "manifest.arrow", keep)
 
 
-def startup(tree: str, root: Path, state: Path) -> dict:
+def startup(tree: str, root: Path, state: Path, digest: bool = False) -> dict:
+    """One start-up of `tree` in its own process; `digest`: with the `queue_digest` of what it queued (the
+    function's source goes with the script: tree A need not have it)."""
+    import inspect
+
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _STARTUP, str(root), str(state)], env=env, check=True,
-                         capture_output=True, text=True, cwd=tree).stdout
+    script = _STARTUP % inspect.getsource(queue_digest)
+    out = subprocess.run([sys.executable, "-c", script, str(root), str(state)] + (["--digest"] if digest else []),
+                         env=env, check=True, capture_output=True, text=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -82,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--restart", action="store_true", help="also time restarts from an indexed served state")
     parser.add_argument("--taken", type=int, default=2000, help="groups taken in the restart's served state")
+    parser.add_argument("--digest", action="store_true",
+                        help="compare a hash of every lane's queue (round 0) between A and B; exit 1 if they differ")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards, args.rounds = 200, 1
@@ -117,25 +150,34 @@ def main(argv: list[str] | None = None) -> None:
                                ((1 + i // 10 * 7, i % 10, i // 256, i % 256) for i in range(args.taken)))
             db.close()
     times: dict[str, list[float]] = {"A": [], "B": [], "A restart": [], "B restart": []}
+    digests: dict[str, list[str | None]] = {}
     for round_ in range(args.rounds):
         for label, tree in (("A", args.a), ("B", args.b)):
             state = scratch / f"state-{label}-{round_}.db"
             use_manifest(label)
-            result = startup(tree, root, state)
+            check = args.digest and round_ == 0
+            result = startup(tree, root, state, check)
             remove(state)
+            digests.setdefault("fresh", []).append(result.get("digest"))
             times[label].append(result["startup_s"])
             line = (f"round {round_} {label}: start-up {result['startup_s']:.2f} s, {result['queued']} groups queued, "
                     f"peak RSS {result['peak_rss_mb']:.0f} MiB")
             if args.restart:
                 shutil.copy(indexed[label], state)
-                again = startup(tree, root, state)
+                again = startup(tree, root, state, check)
                 remove(state)
+                digests.setdefault("restart", []).append(again.get("digest"))
                 times[f"{label} restart"].append(again["startup_s"])
                 line += f"; restart {again['startup_s']:.2f} s, {again['queued']} queued, peak RSS {again['peak_rss_mb']:.0f} MiB"
             print(f"{line}; load {os.getloadavg()[0]:.2f}", flush=True)
     for label in ("A", "B"):
         remove(indexed[label])
         manifests[label].unlink(missing_ok=True)
+    if args.digest:  # round 0's A and B: the same groups queued in the same order, lane by lane
+        for kind, (a, b) in ((kind, values[:2]) for kind, values in digests.items()):
+            print(f"queue digest {kind}: A {a[:16]} B {b[:16]}: {'same' if a == b else 'DIFFERENT'}", flush=True)
+            if a != b:
+                raise SystemExit(f"A and B queued different groups at the {kind} start-up")
     for kind in ("", " restart") if args.restart else ("",):
         a, b = statistics.median(times["A" + kind]), statistics.median(times["B" + kind])
         print(f"median{kind or ' start-up'} A {a:.2f} s, B {b:.2f} s, A/B {a / b:.2f}x; pairs A/B: "

@@ -27,7 +27,11 @@ class WireError(ValueError):
 
 
 class PayloadError(RuntimeError):
-    """A queued group's shard could not be read; the message names the shard."""
+    """A queued group's shard could not be read; the message names the shard (`path`, where known)."""
+
+    def __init__(self, message: str, path: object = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def prefers_arrow(accept: str) -> bool:

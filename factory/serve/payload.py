@@ -211,7 +211,7 @@ class PayloadReader:
             try:
                 starts = self._row_group_starts(path)
             except (OSError, pa.ArrowException) as error:
-                raise PayloadError(f"shard {path} cannot be read: {error}") from error
+                raise PayloadError(f"shard {path} cannot be read: {error}", path) from error
             index = bisect.bisect_right(starts, row) - 1
             wanted.setdefault((path, index), []).append((position, row - starts[index]))
         offset = 0
@@ -221,7 +221,7 @@ class PayloadReader:
             try:
                 table = self._row_group(path, index)
             except (OSError, pa.ArrowException) as error:
-                raise PayloadError(f"shard {path} row group {index} cannot be read: {error}") from error
+                raise PayloadError(f"shard {path} row group {index} cannot be read: {error}", path) from error
             local = [row for _, row in rows]
             if local == list(range(local[0], local[0] + len(local))):  # consecutive rows: a view, not a copy
                 pieces.append(table.slice(local[0], len(local)))

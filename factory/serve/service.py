@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from environments.groups import ScoredGroup
 from factory.serve.config import ServeConfig
-from factory.serve.contract import SEQUENCE_FIELDS
+from factory.serve.contract import SEQUENCE_FIELDS, PayloadError
 from factory.serve.http import gzip_compress, gzip_compressor
 from factory.serve.memory import limit_malloc_arenas, return_free_memory
 from factory.serve.packer import Entry, LanePolicy, pack_batch
@@ -89,6 +89,8 @@ class BatchBody:
         return self.raw is not None or (compress and self.gz is not None)
 
 
+UNREADABLE_RETRIES = 16
+"""Times a /batch forms its batch again after leaving out the groups of a file that cannot be read."""
 FOLD_MIN_SHARDS = 2
 """Consecutive sources that a compaction merged, in order, into one file: folded into one block at a start-up."""
 FREEZE_MIN_SOURCES = 10_000
@@ -348,13 +350,36 @@ class BatchService:
                     logger.error("indexed compacted file %s is gone or unreadable; its unserved groups are lost: %s", path, error)
                     continue
                 if len(ranges) >= 50_000:
-                    self._enqueue_ranges(ranges, taken)
-                    ranges = []
+                    enqueue()
                 ranges.append((table, first, member_rows, first_source))
+
+        deferred: list[int] = []
+        summaries: list[dict[str, Any]] = []
+
+        def enqueue() -> None:
+            """Queue `ranges`, the shards among them whose records carry their index given one table made from
+            those summaries first (`follower.summarized_index`: their files are not opened)."""
+            nonlocal ranges
+            if deferred:
+                from factory.index_runs import table_of_many
+
+                table, at = table_of_many(summaries), 0
+                for position in deferred:
+                    _, _, rows_, source_ = ranges[position]
+                    ranges[position] = (table, at, rows_, source_)
+                    at += rows_
+                deferred.clear()
+                summaries.clear()
+            self._enqueue_ranges(ranges, taken)
+            ranges = []
 
         for source, run_id, shard, rows in sources:
             add_blocks_before(source)
-            path, offset = locator.locate(run_id, shard)
+            own = locator.own_file(run_id, shard, rows)  # its index from its commit record, if it carries one
+            if own is not None:
+                path, offset = own[0], 0
+            else:
+                path, offset = locator.locate(run_id, shard)
             self.sources[source] = path
             self._source_ids[(run_id, shard)] = source
             if offset:
@@ -363,6 +388,13 @@ class BatchService:
             done = taken.count(source) if taken is not None else 0
             if done >= rows:
                 continue
+            if own is not None:  # made with the others' at `enqueue`
+                if len(ranges) >= 50_000:
+                    enqueue()
+                deferred.append(len(ranges))
+                summaries.append(own[1])
+                ranges.append((None, 0, rows, source))
+                continue
             try:
                 table = indexes.file(path, offset, rows)
             except OSError as error:
@@ -370,11 +402,10 @@ class BatchService:
                              rows - done, error)
                 continue
             if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
-                self._enqueue_ranges(ranges, taken)
-                ranges = []
+                enqueue()
             ranges.append((table, offset, rows, source))
         add_blocks_before(None)
-        self._enqueue_ranges(ranges, taken)
+        enqueue()
         logger.info("served state loaded: step %d, %d groups queued from %d shards and %d blocks of compacted files",
                     self.step, self.queue.groups, len(self.sources), len(self._block_firsts))
 
@@ -386,6 +417,16 @@ class BatchService:
         import numpy as np
 
         where = self.store.where
+        current = getattr(self.store, "current", None)
+        if current is not None:  # one snapshot of each run's records, not a look at its log (a stat) per source
+            snapshots: dict[str, Any] = {}
+
+            def where(run_id: str, shard: str) -> tuple[str, int] | None:
+                records = snapshots.get(run_id)
+                if records is None:
+                    records = snapshots[run_id] = current(run_id)
+                return records.where(shard)
+
         folded: list[tuple[int, str, str, int, Any]] = []
         left: list[tuple[int, str, str, int]] = []
         run: list[tuple[int, str, str, int]] = []
@@ -404,7 +445,8 @@ class BatchService:
             source_id, run_id, shard, rows = source
             found = where(run_id, shard)
             if found is None or found[0] == shard:  # not committed, or in its own file
-                close()
+                if run:
+                    close()
                 left.append(source)
                 continue
             if not (run and source_id == run[-1][0] + 1 and run_id == run[-1][1] and found[0] == file and found[1] == end):
@@ -531,7 +573,7 @@ class BatchService:
                 self._add_block(source, shard.run_id, shard.file, shard.path, shard.first, shard.member_rows)
                 ranges.append((shard.file_index, shard.first, shard.member_rows, source))
                 continue
-            ranges.append((shard.file_index, shard.row_offset, shard.rows, source))
+            ranges.append((shard.file_index, shard.index_at, shard.rows, source))
             self.sources[source] = shard.path
             self._source_ids[(shard.run_id, shard.shard)] = source
             if shard.row_offset:
@@ -1097,16 +1139,22 @@ class BatchService:
                         self.queue.release(entries)
                         raise
             else:
-                entries = self._form()
-                if entries is None:
-                    self._drop_cache()
-                    return BatchBody(NO_BATCH)
-                self.queue.reserve(entries)
-                try:
-                    body = await asyncio.to_thread(self._read, [(e.source, e.row) for e in entries], arrow, accept_gzip)
-                except Exception:
-                    self.queue.release(entries)
-                    raise
+                for attempt in range(UNREADABLE_RETRIES + 1):
+                    entries = self._form()
+                    if entries is None:
+                        self._drop_cache()
+                        return BatchBody(NO_BATCH)
+                    self.queue.reserve(entries)
+                    try:
+                        body = await asyncio.to_thread(self._read, [(e.source, e.row) for e in entries], arrow, accept_gzip)
+                        break
+                    except PayloadError as error:
+                        self.queue.release(entries)
+                        if attempt == UNREADABLE_RETRIES or not self._leave_out_unreadable(entries, error):
+                            raise
+                    except Exception:
+                        self.queue.release(entries)
+                        raise
             try:
                 self.state.record_taken([(e.source, e.row) for e in entries], self.step, kv={"step": self.step + 1})
             except BaseException:
@@ -1132,11 +1180,34 @@ class BatchService:
             self.queue.reserve(entries)
             try:
                 body = await asyncio.to_thread(self._read, [(e.source, e.row) for e in entries], *self._wanted)
-            except Exception:  # noqa: BLE001 - the next /batch forms it again and reports the error
+            except Exception as error:  # noqa: BLE001 - the next /batch forms it again and reports the error
                 self.queue.release(entries)
-                logger.exception("prefetching the next batch failed")
+                if not (isinstance(error, PayloadError) and self._leave_out_unreadable(entries, error)):
+                    logger.exception("prefetching the next batch failed")
                 return
             self._prefetched = (entries, body)
+
+    def _leave_out_unreadable(self, entries: list[Any], error: PayloadError) -> bool:
+        """A batch could not be read because one file that is there cannot (`error.path`: damaged): its groups in
+        `entries` leave the queue, unserved and not recorded as served (a restart queues them again, and they are
+        served then if the file was repaired); the batch is formed again without them. The scan no longer opens a
+        shard whose commit record carries its index (factory/index_runs.py), so a damaged one is found here, when
+        its rows are read. Returns whether any entry was left out."""
+        path = getattr(error, "path", None)
+        if path is None or self.store.file_size(path) is None:
+            # gone, not damaged: a compaction that removed its members before this service's next scan moves their
+            # rows (`_relocate`), so the batch fails (503) and is formed again later, as before
+            return False
+        bad = [e for e in entries if str(self._location(e.source, e.row)[0]) == str(path)]
+        if not bad:
+            return False
+        self.queue.remove(bad)
+        told = self.__dict__.setdefault("_unreadable", set())
+        if str(path) not in told:  # once per file (each batch that meets its groups leaves out those)
+            told.add(str(path))
+            logger.error("groups of %s left out of serving (not recorded as served; a restart tries them again): %s",
+                         path, error)
+        return True
 
     def _drop_cache(self, trim: bool = True) -> None:
         """No batch can be formed (the queue is empty, or holds less than a batch): the cached row groups would be

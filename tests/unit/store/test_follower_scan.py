@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from factory.commit_log import decode_line, encode_line
 from factory.serve.follower import scan_new_shards
 from factory.store import ShardStore
 from factory.store_compact import compact_run
@@ -27,10 +28,20 @@ def test_scans_return_new_shards_once_known_and_again_until_known(tmp_path):
     assert scan_new_shards(store, ["r"], known, set()) == []
 
 
+def without_summaries(store: ShardStore, run_id: str) -> None:
+    """The run's commit log as a store before commit records carried their index summary wrote it."""
+    log = store.commit_log(run_id)
+    log.write_bytes(b"".join(encode_line({k: v for k, v in decode_line(line).items() if k not in ("index", "check")})
+                             for line in log.read_bytes().splitlines()))
+    store.manifest_path(run_id).unlink(missing_ok=True)
+
+
 def test_an_unreadable_shard_is_retried_and_compacted_shards_come_with_their_offset(tmp_path):
     store = ShardStore(tmp_path)
     for chunk in range(4):
         commit(store, chunk)
+    without_summaries(store, "r")  # records of before: each shard is opened (with a summary it is not: see
+    store = ShardStore(tmp_path)   # tests/unit/store/test_commit_summary.py)
     path = store.shards_dir("r") / "w0-00000001.parquet"
     data = path.read_bytes()
     path.write_bytes(b"x" * len(data))  # same size, unreadable

@@ -146,3 +146,28 @@ def test_a_url_with_its_own_endpoint_commits_with_one_put_per_object(bucket, s3_
     assert sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{name}/u/run", recursive=True))
                   if i.type == pafs.FileType.File) == ["w0-00000000.parquet", "w0-00000000.parquet.json"]
     assert len(list(ObjectShardStore(url).iter_groups("run"))) == 2
+
+
+def test_records_carry_the_index_summary_and_a_scan_reads_no_shard(bucket, monkeypatch):
+    """As on a local store (tests/unit/store/test_commit_summary.py): the record's summary is the shard's index
+    columns, and the follower's scan takes them from there (a HEAD per shard for its size, no GET of its footer)."""
+    from factory.index_runs import plain
+    from factory.serve import follower
+
+    _, name = bucket
+    store = ObjectShardStore(f"s3://{name}/summary")
+    for chunk in range(3):
+        store.commit("run", "w0", chunk, list(synthetic_groups(4, start=4 * chunk, group_size=2, seq_len=8, env="e")))
+    expected = {shard: follower.read_index(store.shard_path("run", shard), store.filesystem)
+                for shard in store.committed("run")}
+    records = ObjectShardStore(f"s3://{name}/summary").committed("run")
+    assert all(r.index == {"env": ["e"], "runs": [[0, None, 0, 2, 4]]} for r in records.values())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a shard's index columns read though its record has them")
+
+    monkeypatch.setattr(follower, "read_index", refuse)
+    found = follower.scan_new_shards(ObjectShardStore(f"s3://{name}/summary"), ["run"], set(), set())
+    assert [s.shard for s in found] == list(records)
+    for shard in found:
+        assert plain(shard.index).equals(expected[shard.shard].cast(plain(shard.index).schema))

@@ -33,7 +33,7 @@ def test_patched_shards_are_what_commit_writes(tmp_path):
         record = store.commit("gen", "w0", chunk, _groups(factory, chunk))
         data = factory.shard(chunk)
         assert data == (store.shards_dir("gen") / record.shard).read_bytes(), chunk
-        assert commit_line("gen", "w0", chunk, 10, data) == replace(record, committed_at=COMMITTED_AT).to_line()
+        assert commit_line("gen", "w0", chunk, 10, data, factory.summary) == replace(record, committed_at=COMMITTED_AT).to_line()
         assert record.sha256 == hashlib.sha256(data).hexdigest() and record.bytes == len(data)
     assert factory.slow < 40
 
