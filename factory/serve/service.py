@@ -210,6 +210,8 @@ class BatchService:
         disk): a retry of them is acknowledged without storing them again. The shard is the durable record."""
         self._replay: deque[tuple[int, list[tuple[int, int]]]] = deque()
         self._prefetched: tuple[list[Entry], BatchBody] | None = None
+        self._unreadable: set[str] = set()
+        """Files whose groups were left out of serving because they could not be read (logged once each)."""
         self._wanted = (False, True)  # (arrow, compressed) of the last /batch: the format the next one is prefetched in
         self._prefetch_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
@@ -1202,9 +1204,8 @@ class BatchService:
         if not bad:
             return False
         self.queue.remove(bad)
-        told = self.__dict__.setdefault("_unreadable", set())
-        if str(path) not in told:  # once per file (each batch that meets its groups leaves out those)
-            told.add(str(path))
+        if str(path) not in self._unreadable:  # once per file (each batch that meets its groups leaves out those)
+            self._unreadable.add(str(path))
             logger.error("groups of %s left out of serving (not recorded as served; a restart tries them again): %s",
                          path, error)
         return True
