@@ -935,6 +935,10 @@ class ShardStore:
         end = len(log.changed)
         since = cursor[1] if cursor is not None and cursor[0] == log.generation and cursor[1] <= end else 0
         items = log.records._items
+        if since == 0 and end == len(items) and log.changed == list(items):
+            # every key once, in the records' order (a log loaded from its manifest, nothing changed since): the
+            # records themselves, without a dedupe dict of a million keys (one C-level compare of the names)
+            return (log.generation, end), list(items.values())
         seen: dict[str, Any] = {}
         for key in log.changed[since:end]:
             item = items.get(key)
@@ -954,6 +958,11 @@ class ShardStore:
         """The run's current records as this store object has parsed them now (the mapping itself, not a copy: a
         start-up that looks up every indexed shard reads the log once, not once per shard)."""
         return self._read_log(run_id).records
+
+    def compacted(self, run_id: str) -> bool:
+        """Whether a compaction of the run is logged (as this store object has parsed the log now): if not, every
+        committed shard is in its own file (no record names another file, see `_LogTail.compact`)."""
+        return bool(self._read_log(run_id).files)
 
     def where(self, run_id: str, shard: str) -> tuple[str, int] | None:
         """(name of the file holding a committed shard's rows, first row in it), or None; no record is made."""
