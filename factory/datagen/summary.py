@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import Any
 
 from factory.datagen.store import run_location
-from factory.sampling import chunk_stats_name
+from factory.chunk_stats import read_all
 from factory.store import ShardStore
 from tasks.group import DROP_REASONS
 
@@ -28,12 +27,11 @@ def summarize(store: ShardStore, cfg: Any, seconds: float, session: Counter[str]
     run, producer = cfg.datagen.run_id, cfg.datagen.producer
     totals: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
+    chunk_stats = read_all(store, run, producer)  # per-chunk files and folded segments
     for record in store.committed(run).values():
         if record.producer != producer:
             continue
-        path = store.run_dir(run) / chunk_stats_name(producer, record.chunk)
-        if path.is_file():
-            stats = json.loads(path.read_text())
+        if (stats := chunk_stats.get((producer, record.chunk))) is not None:
             dropped.update(stats["dropped"])
             for key in ("groups_kept", "rollouts", "completion_tokens", "scored"):
                 totals[key] += stats[key]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from factory.chunk_stats import parse_name as parse_stats_name
+from factory.chunk_stats import segment_chunks
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
 from factory.store_records import Block
@@ -53,8 +54,6 @@ KEY_LABELS: dict[str, tuple[int, int | None, int | None]] = {
 }
 """env name -> (parts of its item key split on ':', part holding the task family, part holding the difficulty
 or None); an env not listed has family = its name and difficulty from the `difficulty` column only."""
-_CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
-_RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
 
 
 def index_shard(path: Path | str, shard_id: int, rows: tuple[int, int] | None = None,
@@ -168,9 +167,10 @@ class RunIndex:
         """Shards not indexed yet, in log order: records, and the members of merged files that the store's manifest
         holds as a `Block` (keyed by `Block.key`), which stay a block until indexed, newest members first."""
         self._pending_members = 0
-        self._stats_key: tuple[tuple[str, int], ...] = ()
-        self._stats_files: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
-        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones."""
+        self._stats_key: tuple[tuple[str, tuple[int, int, int] | None], ...] = ()
+        self._stats_files: dict[str, tuple[tuple[int, int, int] | None, dict[str, Any]]] = {}
+        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones;
+        a segment's (never rewritten) is (None, chunk -> stats)."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.run_stats: dict[str, dict[str, Any]] = {}
         self._metrics_key: tuple[str, int, int] | None = None
@@ -414,37 +414,50 @@ class RunIndex:
         return cached
 
     def _refresh_stats(self) -> None:
-        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed: the ones new or
-        changed since the last look (a live run adds one per chunk; re-reading every chunk's file each time grew
-        with the run's history)."""
-        files = sorted(self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
-        stats = []
-        for path in files:
+        """Re-read the datagen stats files (per chunk, folded segments of chunks, per producer) when the set of them
+        changed: only the ones new or changed since the last look (a live run adds one per chunk; re-reading every
+        chunk's file each time grew with the run's history). Segments are write-once: cached by name, never
+        stat'ed again; a chunk both in a segment and in its own file (a fold was interrupted) counts once."""
+        names = sorted(path.name for path in self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
+        listing: list[tuple[str, tuple[str, str, int], tuple[int, int, int] | None]] = []
+        for name in names:
+            if (parsed := parse_stats_name(name)) is None:
+                continue
+            if parsed[0] == "segment":
+                listing.append((name, parsed, None))
+                continue
             try:
-                stats.append((path, path.stat()))
+                stat = (self.run_dir / name).stat()
             except FileNotFoundError:
                 continue
-        key = tuple((path.name, stat.st_mtime_ns) for path, stat in stats)
+            listing.append((name, parsed, (stat.st_mtime_ns, stat.st_size, stat.st_ino)))
+        key = tuple((name, version) for name, _, version in listing)
         if key == self._stats_key:
             return
         self._stats_key = key
         self.chunk_stats, self.run_stats = {}, {}
         known, self._stats_files = self._stats_files, {}
-        for path, stat in stats:
-            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            cached = known.get(path.name)
+        chunk_files: list[tuple[str, int, dict[str, Any]]] = []
+        for name, (kind, producer, chunk), version in listing:
+            cached = known.get(name)
             if cached is not None and cached[0] == version:
                 data = cached[1]
             else:
                 try:
-                    data = json.loads(path.read_text(encoding="utf-8"))
+                    data = json.loads((self.run_dir / name).read_text(encoding="utf-8"))
+                    if kind == "segment":
+                        data = segment_chunks(data)
                 except (OSError, ValueError):
                     continue
-            self._stats_files[path.name] = (version, data)
-            if match := _CHUNK_STATS.match(path.name):
-                self.chunk_stats[(match["producer"], int(match["chunk"]))] = data
-            elif match := _RUN_STATS.match(path.name):
-                self.run_stats[match["producer"]] = data
+            self._stats_files[name] = (version, data)
+            if kind == "segment":
+                self.chunk_stats.update({(producer, k): stats for k, stats in data.items()})
+            elif kind == "chunk":
+                chunk_files.append((producer, chunk, data))
+            else:
+                self.run_stats[producer] = data
+        for producer, chunk, data in chunk_files:
+            self.chunk_stats.setdefault((producer, chunk), data)  # a segment's copy first (the same content)
 
     @property
     def frame(self) -> pl.DataFrame:

@@ -1,0 +1,209 @@
+"""The datagen run's per-chunk stats: one small file per committed chunk, folded into write-once segments.
+
+A datagen flow writes `stats-<producer>-<chunk:08d>.json` before it commits each chunk's shard (the stats of a
+chunk whose commit failed are removed again). A day of a hundred workers leaves ~10^6 of them in one run
+directory, and every reader (the viewer's drop counts, the run summary, a resume's curriculum replay) would walk
+them all. So the producer's only writer folds them: once `FOLD_CHUNKS` committed chunks sit in per-chunk files,
+it writes one segment, `stats-<producer>.chunks-<first:08d>-<last:08d>.json`, holding those chunks' stats
+(verbatim, by chunk) and their totals, atomically and write-once (an object store's run files get no append), and
+only then deletes the per-chunk files it holds.
+
+A kill between the two leaves a chunk both in a segment and as a file, with identical content: every reader goes
+through `scan`/`read_all`, which counts it once (the segment's copy), and the next fold of that producer deletes
+the leftover files. A run written before folding (per-chunk files only) reads exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FOLD_CHUNKS = 256
+"""Fold a producer's per-chunk stats files into one segment once this many committed chunks are unfolded."""
+
+SEGMENT_VERSION = 1
+
+CHUNK_FILE = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
+SEGMENT = re.compile(r"^stats-(?P<producer>.+)\.chunks-(?P<first>\d{8})-(?P<last>\d{8})\.json$")
+RUN_SUMMARY = re.compile(r"^stats-(?P<producer>.+)\.json$")
+"""The producer's run summary (`stats-<producer>.json`); match it after CHUNK_FILE and SEGMENT, which it also covers."""
+
+TOTAL_KEYS = ("groups_kept", "rollouts", "completion_tokens", "scored", "items", "trimmed_over_target")
+
+
+def chunk_stats_name(producer: str, chunk: int) -> str:
+    return f"stats-{producer}-{chunk:08d}.json"
+
+
+def segment_name(producer: str, first: int, last: int) -> str:
+    return f"stats-{producer}.chunks-{first:08d}-{last:08d}.json"
+
+
+def parse_name(name: str) -> tuple[str, str, int] | None:
+    """("segment", producer, first chunk) or ("chunk", producer, chunk) or ("run", producer, -1) for a stats file
+    name; None for any other name."""
+    if match := SEGMENT.match(name):
+        return "segment", match["producer"], int(match["first"])
+    if match := CHUNK_FILE.match(name):
+        return "chunk", match["producer"], int(match["chunk"])
+    if match := RUN_SUMMARY.match(name):
+        return "run", match["producer"], -1
+    return None
+
+
+def segment_chunks(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A segment's chunk -> stats."""
+    return {int(chunk): stats for chunk, stats in (data.get("chunks") or {}).items()}
+
+
+def totals(chunks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What a segment's chunks add up to: the counts, drops by reason, score sum and chunks by flow run."""
+    out: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    flow_runs: Counter[str] = Counter()
+    score_sum = 0.0
+    for stats in chunks.values():
+        for key in TOTAL_KEYS:
+            out[key] += int(stats.get(key) or 0)
+        dropped.update({reason: int(count) for reason, count in (stats.get("dropped") or {}).items()})
+        score_sum += float(stats.get("score_sum") or 0.0)
+        if run := stats.get("flow_run_id"):
+            flow_runs[str(run)] += 1
+    return {"chunks": len(chunks), **{key: out[key] for key in TOTAL_KEYS}, "score_sum": score_sum,
+            "dropped": dict(dropped), "flow_runs": dict(flow_runs)}
+
+
+@dataclass
+class Scan:
+    """One look at a run's chunk stats: every chunk's stats (a segment's copy where a chunk is in both), and where
+    they came from."""
+
+    stats: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    segments: dict[str, tuple[str, set[int]]] = field(default_factory=dict)
+    """Segment name -> (producer, its chunks)."""
+    files: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(producer, chunk) -> per-chunk file name, for every per-chunk file present (folded or not)."""
+
+    def folded(self, producer: str) -> set[int]:
+        return {chunk for p, chunks in self.segments.values() if p == producer for chunk in chunks}
+
+
+def scan(run_dir: Path | str, producer: str | None = None) -> Scan:
+    """Read the run's chunk stats (of one producer, or all): segments, then the per-chunk files no segment holds.
+
+    An unreadable per-chunk file reads as absent (as before folding); a segment that cannot be read raises, so a
+    resume never silently forgets hundreds of chunks."""
+    out = Scan()
+    try:
+        entries = sorted(os.listdir(run_dir))
+    except FileNotFoundError:
+        return out
+    run_dir = Path(run_dir)
+    chunk_files = []
+    for name in entries:
+        parsed = parse_name(name)
+        if parsed is None or (producer is not None and parsed[1] != producer):
+            continue
+        kind, owner, chunk = parsed
+        if kind == "segment":
+            chunks = segment_chunks(json.loads((run_dir / name).read_text(encoding="utf-8")))
+            out.segments[name] = (owner, set(chunks))
+            out.stats.update({(owner, k): stats for k, stats in chunks.items()})
+        elif kind == "chunk":
+            chunk_files.append((owner, chunk, name))
+    for owner, chunk, name in chunk_files:
+        out.files[(owner, chunk)] = name
+        if (owner, chunk) in out.stats:
+            continue  # folded; a kill came before its file was deleted
+        try:
+            out.stats[(owner, chunk)] = json.loads((run_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def read_all(store: Any, run_id: str, producer: str | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+    """(producer, chunk) -> stats over the run's segments and per-chunk files (of one producer, or all)."""
+    return scan(store.run_dir(run_id), producer).stats
+
+
+def write_segment(store: Any, run_id: str, producer: str, chunks: dict[int, dict[str, Any]]) -> str:
+    """Write `chunks` (committed chunks of `producer` -> their stats, as in their files) as one segment, atomically;
+    its name."""
+    name = segment_name(producer, min(chunks), max(chunks))
+    data = {"version": SEGMENT_VERSION, "producer": producer, "totals": totals(chunks),
+            "chunks": {str(chunk): chunks[chunk] for chunk in sorted(chunks)}}
+    store.write_run_file(run_id, name, json.dumps(data, separators=(",", ":")))
+    return name
+
+
+def delete_files(store: Any, run_id: str, names: list[str]) -> list[str]:
+    """Delete per-chunk files a segment holds; the names that could not be deleted (the next fold tries again)."""
+    run_dir, failed = Path(store.run_dir(run_id)), []
+    for name in names:
+        try:
+            (run_dir / name).unlink(missing_ok=True)
+        except OSError as error:
+            logger.warning("could not delete %s (its segment holds it): %s", name, error)
+            failed.append(name)
+    return failed
+
+
+def fold(store: Any, run_id: str, producer: str, chunks: dict[int, dict[str, Any]],
+         leftovers: list[str] = ()) -> tuple[str | None, list[str]]:
+    """Write `chunks` as one segment, then delete their per-chunk files and `leftovers` (files of chunks an earlier
+    segment already holds); the segment's name (None when `chunks` is empty) and the files not deleted."""
+    name = write_segment(store, run_id, producer, chunks) if chunks else None
+    return name, delete_files(store, run_id, [*(chunk_stats_name(producer, chunk) for chunk in chunks), *leftovers])
+
+
+class Folder:
+    """The producer's single writer's side: the committed chunks still in per-chunk files, folded into a segment
+    once there are `threshold` of them. Plain; `DatagenRun` owns one and calls `committed` after each commit."""
+
+    def __init__(self, store: Any, run_id: str, producer: str, start: Scan, committed: set[int],
+                 threshold: int | None = None) -> None:
+        self.store, self.run_id, self.producer = store, run_id, producer
+        self.threshold = FOLD_CHUNKS if threshold is None else threshold
+        folded = start.folded(producer)
+        self.unfolded: dict[int, dict[str, Any]] = {
+            chunk: start.stats[(producer, chunk)] for (p, chunk) in start.files
+            if p == producer and chunk in committed and chunk not in folded and (p, chunk) in start.stats}
+        self.leftovers = [name for (p, chunk), name in start.files.items() if p == producer and chunk in folded]
+        """Per-chunk files of chunks a segment already holds (a kill between a fold's two steps): deleted by the
+        next fold."""
+        self.segments: list[str] = []
+
+    def committed(self, chunk: int, stats: dict[str, Any]) -> str | None:
+        """A chunk's shard was committed with these stats (as written to its file); folds when due."""
+        self.unfolded[chunk] = stats
+        return self.fold_if_due()
+
+    def fold_if_due(self) -> str | None:
+        """Fold the unfolded chunks once there are `threshold` of them; the new segment's name, or None.
+
+        A failed write leaves the per-chunk files as they are (the data stays readable) and is retried by the
+        next call; the commit it follows stands. Files left by an interrupted fold are deleted either way."""
+        if len(self.unfolded) < self.threshold:
+            if self.leftovers:
+                self.leftovers = delete_files(self.store, self.run_id, self.leftovers)
+            return None
+        try:
+            name = write_segment(self.store, self.run_id, self.producer, self.unfolded)
+        except (OSError, RuntimeError) as error:  # StoreError is a RuntimeError
+            logger.warning("folding %d chunk stats files of %s failed (kept as they are): %s", len(self.unfolded),
+                           self.producer, error)
+            return None
+        names = [*(chunk_stats_name(self.producer, chunk) for chunk in self.unfolded), *self.leftovers]
+        self.unfolded = {}
+        self.leftovers = delete_files(self.store, self.run_id, names)
+        self.segments.append(name)
+        return name
