@@ -13,8 +13,8 @@ Exactly-once: chunk k is always items `[k*c, (k+1)*c)` and its items are a pure 
 the curriculum plan, and the plan for chunk k is the curriculum state after the committed chunks
 `<= k - chunks_in_flight` (the flow commits chunks in order, and with `chunks_in_flight` d, chunks up to
 k - d are committed when chunk k is drawn). On resume the state is rebuilt by replaying the committed chunks'
-outcomes from their stats (per-chunk files and folded segments: factory/chunk_stats.py), so a rerun draws exactly the items an uninterrupted run would have drawn,
-commits nothing twice and leaves no gap. (Changing `chunks_in_flight` between a run and its rerun changes the
+outcomes from their stats (per-chunk files and folded segments: factory/chunk_stats.py), so a rerun draws
+exactly the items an uninterrupted run would have drawn, commits nothing twice and leaves no gap. (Changing `chunks_in_flight` between a run and its rerun changes the
 plan lag, hence the levels of later chunks; nothing is duplicated either way.)
 """
 
