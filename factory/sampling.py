@@ -14,8 +14,9 @@ the curriculum plan, and the plan for chunk k is the curriculum state after the 
 `<= k - chunks_in_flight` (the flow commits chunks in order, and with `chunks_in_flight` d, chunks up to
 k - d are committed when chunk k is drawn). On resume the state is rebuilt by replaying the committed chunks'
 outcomes from their stats (per-chunk files and folded segments: factory/chunk_stats.py), so a rerun draws
-exactly the items an uninterrupted run would have drawn, commits nothing twice and leaves no gap. (Changing `chunks_in_flight` between a run and its rerun changes the
-plan lag, hence the levels of later chunks; nothing is duplicated either way.)
+exactly the items an uninterrupted run would have drawn, commits nothing twice and leaves no gap. (Changing
+`chunks_in_flight` between a run and its rerun changes the plan lag, hence the levels of later chunks; nothing is
+duplicated either way.)
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class DynamicSampling:
     def __init__(self, store: ShardStore, *, run_id: str, producer: str, chunk_items: int, total_items: int,
                  target_groups: int | None = None, max_items: int | None = None, chunks_in_flight: int = 1,
                  curriculum: Curriculum | None = None, solved: Callable[[Any, float], bool] | None = None,
-                 stats: Scan | None = None) -> None:
-        """`stats`: the producer's chunk stats as `factory.chunk_stats.scan` read them (read here when not given)."""
+                 chunk_stats: Scan | None = None) -> None:
+        """`chunk_stats`: the producer's chunk stats as `factory.chunk_stats.scan` read them (read here when not
+        given; not kept: it holds the whole run's)."""
         self.store, self.run_id, self.producer = store, run_id, producer
         self.chunk_items = chunk_items
         self.target = target_groups
@@ -80,10 +82,10 @@ class DynamicSampling:
         self.committed_chunks = {r.chunk for r in records}
         self.committed_groups = sum(r.rows for r in records)
         self.committed_items = 0
-        self.stats_scan = stats if stats is not None else scan(store.run_dir(run_id), producer)
+        stats_scan = chunk_stats if chunk_stats is not None else scan(store.run_dir(run_id), producer)
         self._trimmed_committed = 0
         for record in sorted(records, key=lambda r: r.chunk):
-            stats = self.stats_scan.stats.get((producer, record.chunk), {})
+            stats = stats_scan.stats.get((producer, record.chunk), {})
             self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
             self.committed_items += int(stats.get("items", self._chunk_len(record.chunk)))
             if curriculum is not None:

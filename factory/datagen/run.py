@@ -181,7 +181,7 @@ class DatagenRun:
         self.sampler = DynamicSampling(self.store, run_id=d.run_id, producer=d.producer, chunk_items=d.chunk_items,
                                        total_items=cfg.env.total_items, target_groups=d.target_groups,
                                        max_items=d.max_items, chunks_in_flight=d.chunks_in_flight,
-                                       curriculum=self.curriculum, solved=env.solved, stats=chunk_stats)
+                                       curriculum=self.curriculum, solved=env.solved, chunk_stats=chunk_stats)
         folder = Folder(self.store, d.run_id, d.producer, chunk_stats, self.sampler.committed_chunks)
         self.backpressure = Backpressure(cfg.serve, cfg.env.group_size) if cfg.serve.api_url else None
         self.committer = ChunkCommitter(self.store, root=d.store_root, run_id=d.run_id, producer=d.producer,

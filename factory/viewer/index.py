@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from factory.chunk_stats import parse_name as parse_stats_name
-from factory.chunk_stats import segment_chunks
+from factory.chunk_stats import gc_paused, segment_chunks
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
 from factory.store_records import Block
@@ -438,24 +438,25 @@ class RunIndex:
         self.chunk_stats, self.run_stats = {}, {}
         known, self._stats_files = self._stats_files, {}
         chunk_files: list[tuple[str, int, dict[str, Any]]] = []
-        for name, (kind, producer, chunk), version in listing:
-            cached = known.get(name)
-            if cached is not None and cached[0] == version:
-                data = cached[1]
-            else:
-                try:
-                    data = json.loads((self.run_dir / name).read_text(encoding="utf-8"))
-                    if kind == "segment":
-                        data = segment_chunks(data)
-                except (OSError, ValueError):
-                    continue
-            self._stats_files[name] = (version, data)
-            if kind == "segment":
-                self.chunk_stats.update({(producer, k): stats for k, stats in data.items()})
-            elif kind == "chunk":
-                chunk_files.append((producer, chunk, data))
-            else:
-                self.run_stats[producer] = data
+        with gc_paused():  # the parsed stats are kept: collections would walk them over and over
+            for name, (kind, producer, chunk), version in listing:
+                cached = known.get(name)
+                if cached is not None and cached[0] == version:
+                    data = cached[1]
+                else:
+                    try:
+                        data = json.loads((self.run_dir / name).read_text(encoding="utf-8"))
+                        if kind == "segment":
+                            data = segment_chunks(data)
+                    except (OSError, ValueError):
+                        continue
+                self._stats_files[name] = (version, data)
+                if kind == "segment":
+                    self.chunk_stats.update({(producer, k): stats for k, stats in data.items()})
+                elif kind == "chunk":
+                    chunk_files.append((producer, chunk, data))
+                else:
+                    self.run_stats[producer] = data
         for producer, chunk, data in chunk_files:
             self.chunk_stats.setdefault((producer, chunk), data)  # a segment's copy first (the same content)
 

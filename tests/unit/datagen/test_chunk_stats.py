@@ -88,8 +88,10 @@ def test_a_kill_between_the_segment_and_the_deletion_counts_each_chunk_once(tmp_
 def test_the_committer_folds_every_threshold_commits_and_the_summary_stays(tmp_path, monkeypatch):
     plain, folding = ShardStore(tmp_path / "plain"), ShardStore(tmp_path / "folding")
     for store, threshold in ((plain, None), (folding, 3)):
-        sampler = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=24)
-        folder = None if threshold is None else Folder(store, RUN, PRODUCER, sampler.stats_scan,
+        found = scan(store.run_dir(RUN), PRODUCER)
+        sampler = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=24,
+                                  chunk_stats=found)
+        folder = None if threshold is None else Folder(store, RUN, PRODUCER, found,
                                                        sampler.committed_chunks, threshold=threshold)
         committer = committer_for(store, sampler, flow_run_id="run-1", folder=folder)
         for chunk in range(8):
