@@ -12,10 +12,11 @@ scripted rollouts, the curriculum on (`--no-curriculum`: off, the datagen defaul
 such chunks cycled with their chunk number, flow run id and timestamps set. Only the commit log is written for the
 shards (`factory.synthetic_store.commit_line`; none of these readers opens a shard).
 
-Timed, A then B then A ... (`--rounds` pairs; medians and B/A ratios per pair), each measurement in a fresh
-process (a viewer's or a flow's first look is a cold start of its process; the page cache is warm for all);
+Timed, A then B then A ... (`--rounds` pairs; medians and B/A ratios per pair), each reader in a fresh process
+(a viewer's or a flow's first look is a cold start of its process; the page cache is warm for all);
 `--baseline TREE` adds A0 before each pair: run A read by another code tree (e.g. main, before folding existed):
-- viewer first look: a new `RunIndex`'s `_refresh_stats` (glob, stat, read every new file), then `drops()`;
+- viewer first look: a new `RunIndex`'s `_refresh_stats` (glob, stat, read every new file), then `drops()`, then
+  `drops()` three more times (a page's calls: where a garbage collection deferred by the first look would land);
 - viewer second look: `_refresh_stats` again with nothing changed (what every page refresh pays);
 - summarize: `factory.datagen.summary.summarize` of the producer (the end of every flow call);
 - sampler start: `DynamicSampling(...)` restoring the run (with the curriculum replay when on; every flow start).
@@ -113,41 +114,52 @@ def chunk_stats_name(chunk: int) -> str:
     return name(PRODUCER, chunk)
 
 
-def measure(root: Path, run: str, chunk_items: int, curriculum: bool) -> dict:
-    from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
-    from factory.curriculum import CurriculumSettings
-    from factory.datagen.summary import summarize
-    from factory.sampling import DynamicSampling, make_curriculum
+def measure(root: Path, run: str, chunk_items: int, curriculum: bool, part: str) -> dict:
+    """One reader's costs in this process: "viewer", "summarize" or "sampler"."""
     from factory.store import ShardStore
-    from factory.viewer.index import RunIndex
 
     out = {}
     store = ShardStore(root)
     store.committed(run)  # the commit log is not what is measured
-    index = RunIndex(store, run)
-    t = time.perf_counter()
-    index._refresh_stats()
-    out["viewer_first_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    drops = index.drops()
-    out["drops_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    index._refresh_stats()
-    out["viewer_again_s"] = time.perf_counter() - t
-    out["kept"], out["flow_runs"] = drops["kept"], len(index.flow_runs())
-    cfg = SimpleNamespace(datagen=SimpleNamespace(run_id=run, producer=PRODUCER))
-    t = time.perf_counter()
-    summary = summarize(store, cfg, 1.0, Counter(), [])
-    out["summarize_s"] = time.perf_counter() - t
-    out["summary_kept"] = summary["groups_kept"]
-    env = InternBootcampEnv(InternBootcampConfig(difficulties=[3], group_size=8))
-    t = time.perf_counter()
-    sampler = DynamicSampling(store, run_id=run, producer=PRODUCER, chunk_items=chunk_items,
-                              total_items=chunk_items * 10**6,
-                              curriculum=make_curriculum(CurriculumSettings(enabled=curriculum), env, start_level=3),
-                              solved=env.solved)
-    out["sampler_start_s"] = time.perf_counter() - t
-    out["items"] = sampler.committed_items
+    if part == "viewer":
+        from factory.viewer.index import RunIndex
+
+        index = RunIndex(store, run)
+        t = time.perf_counter()
+        index._refresh_stats()
+        out["viewer_first_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        drops = index.drops()
+        out["drops_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(3):
+            index.drops()
+        out["drops_more_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        index._refresh_stats()
+        out["viewer_again_s"] = time.perf_counter() - t
+        out["kept"], out["flow_runs"] = drops["kept"], len(index.flow_runs())
+    elif part == "summarize":
+        from factory.datagen.summary import summarize
+
+        cfg = SimpleNamespace(datagen=SimpleNamespace(run_id=run, producer=PRODUCER))
+        t = time.perf_counter()
+        summary = summarize(store, cfg, 1.0, Counter(), [])
+        out["summarize_s"] = time.perf_counter() - t
+        out["summary_kept"] = summary["groups_kept"]
+    else:
+        from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
+        from factory.curriculum import CurriculumSettings
+        from factory.sampling import DynamicSampling, make_curriculum
+
+        env = InternBootcampEnv(InternBootcampConfig(difficulties=[3], group_size=8))
+        t = time.perf_counter()
+        sampler = DynamicSampling(store, run_id=run, producer=PRODUCER, chunk_items=chunk_items,
+                                  total_items=chunk_items * 10**6,
+                                  curriculum=make_curriculum(CurriculumSettings(enabled=curriculum), env,
+                                                             start_level=3), solved=env.solved)
+        out["sampler_start_s"] = time.perf_counter() - t
+        out["items"] = sampler.committed_items
     return out
 
 
@@ -155,19 +167,29 @@ HERE = str(Path(__file__).resolve().parents[2])
 
 
 def measure_in(tree: str, root: Path, run: str, chunk_items: int, curriculum: bool) -> dict:
-    """`measure` in a fresh process whose `factory` is `tree`'s (this file is loaded by path, so a tree without it
-    works too)."""
+    """`measure` of each reader in a fresh process whose `factory` is `tree`'s (this file is loaded by path, so a
+    tree without it works too)."""
+    out = {}
+    for part in ("viewer", "summarize", "sampler"):
+        out.update(_measure_in(tree, root, run, chunk_items, curriculum, part))
+    return out
+
+
+def _measure_in(tree: str, root: Path, run: str, chunk_items: int, curriculum: bool, part: str) -> dict:
     code = ("import importlib.util, json, sys; from pathlib import Path;"
             f"spec = importlib.util.spec_from_file_location('stats_fold', {__file__!r});"
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m);"
-            "print(json.dumps(m.measure(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1')))")
+            "print(json.dumps(m.measure(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1',"
+            " sys.argv[5])))")
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(root), run, str(chunk_items), "1" if curriculum else "0"],
+    done = subprocess.run([sys.executable, "-c", code, str(root), run, str(chunk_items), "1" if curriculum else "0",
+                           part],
                           env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 METRICS = [("viewer first look (_refresh_stats)", "viewer_first_s"), ("viewer drops()", "drops_s"),
+           ("viewer drops() x3 more", "drops_more_s"),
            ("viewer second look (nothing new)", "viewer_again_s"), ("summarize", "summarize_s"),
            ("DynamicSampling start", "sampler_start_s")]
 

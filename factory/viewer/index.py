@@ -447,8 +447,10 @@ class RunIndex:
                     try:
                         data = json.loads((self.run_dir / name).read_text(encoding="utf-8"))
                         if kind == "segment":
-                            data = segment_chunks(data)
-                    except (OSError, ValueError):
+                            data = {k: _viewed(stats) for k, stats in segment_chunks(data).items()}
+                        elif kind == "chunk":
+                            data = _viewed(data)
+                    except (OSError, ValueError, AttributeError):
                         continue
                 self._stats_files[name] = (version, data)
                 if kind == "segment":
@@ -678,6 +680,15 @@ class StoreIndex:
             else:
                 groups, shards = groups + item.rows, shards + 1
         return groups, shards
+
+
+CHUNK_STATS_KEYS = ("groups_kept", "dropped", "flow_run_id")
+"""What the viewer keeps of a chunk's stats (drops and flow runs); the rest (e.g. the curriculum outcomes of every
+item, most of a file) is dropped as it is read, so a run's history costs the viewer ~3 small objects per chunk."""
+
+
+def _viewed(stats: dict[str, Any]) -> dict[str, Any]:
+    return {key: stats[key] for key in CHUNK_STATS_KEYS if key in stats}
 
 
 def _local_run_dir(store: StoreReader, run_id: str) -> Path | None:
