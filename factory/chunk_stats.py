@@ -101,9 +101,10 @@ class Scan:
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a reader builds many parsed stats it keeps: each collection walks every
-    object alive, so loading 20k chunks' stats spent ~70% of its time collecting (bench.shards.stats_fold: the
-    viewer's first look 8.4-10.4 s with, 2.3-2.9 s without); parsed JSON holds no cycles to collect."""
+    """No cyclic garbage collection while a reader loads many parsed stats that stay alive a while (the viewer's
+    index, a resume's replay, a segment being summed): each collection walks every object alive, so a viewer's
+    first look at 20k chunks spent ~70% of its time collecting (bench.shards.stats_fold: 8.4-10.4 s with, 2.3-2.9 s
+    without). Parsed JSON holds no cycles; anything else is collected after, as usual."""
     enabled = gc.isenabled()
     gc.disable()
     try:

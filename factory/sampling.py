@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from factory.chunk_stats import Scan, scan
+from factory.chunk_stats import Scan, gc_paused, scan
 from factory.chunk_stats import chunk_stats_name as chunk_stats_name  # where it was defined before
 from factory.curriculum import Curriculum, CurriculumSettings, ItemOutcome
 from factory.store import ShardStore
@@ -82,16 +82,17 @@ class DynamicSampling:
         self.committed_chunks = {r.chunk for r in records}
         self.committed_groups = sum(r.rows for r in records)
         self.committed_items = 0
-        stats_scan = chunk_stats if chunk_stats is not None else scan(store.run_dir(run_id), producer)
         self._trimmed_committed = 0
-        for record in sorted(records, key=lambda r: r.chunk):
-            stats = stats_scan.stats.get((producer, record.chunk), {})
-            self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
-            self.committed_items += int(stats.get("items", self._chunk_len(record.chunk)))
-            if curriculum is not None:
-                outcomes = [ItemOutcome.from_list(row) for row in stats.get("curriculum", [])]
-                curriculum.apply(record.chunk, outcomes, stats.get("groups_kept_by_family"))
-                self._plans[record.chunk] = curriculum.plan()
+        with gc_paused():  # the run's stats are held while they are replayed (see gc_paused)
+            stats_scan = chunk_stats if chunk_stats is not None else scan(store.run_dir(run_id), producer)
+            for record in sorted(records, key=lambda r: r.chunk):
+                stats = stats_scan.stats.get((producer, record.chunk), {})
+                self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
+                self.committed_items += int(stats.get("items", self._chunk_len(record.chunk)))
+                if curriculum is not None:
+                    outcomes = [ItemOutcome.from_list(row) for row in stats.get("curriculum", [])]
+                    curriculum.apply(record.chunk, outcomes, stats.get("groups_kept_by_family"))
+                    self._plans[record.chunk] = curriculum.plan()
         self.restored_chunks = len(records)
         if records:
             self.save_curriculum()  # a kill between a commit and its state write left the file one chunk behind

@@ -101,8 +101,9 @@ def build(root: Path, chunks: int, templates: list[dict]) -> dict:
     for name in os.listdir(run_a):
         if name.startswith("stats-"):
             shutil.copy(run_a / name, store.run_dir(RUN_B) / name)
-    for first in range(0, chunks - chunks % chunk_stats.FOLD_CHUNKS, chunk_stats.FOLD_CHUNKS):
-        chunk_stats.fold(store, RUN_B, PRODUCER, {c: all_stats[c] for c in range(first, first + chunk_stats.FOLD_CHUNKS)})
+    every = chunk_stats.FOLD_CHUNKS  # as the flow leaves them: full segments, the rest (< FOLD_CHUNKS) as files
+    for first in range(0, chunks - chunks % every, every):
+        chunk_stats.fold(store, RUN_B, PRODUCER, {c: all_stats[c] for c in range(first, first + every)})
     files = {run: len([n for n in os.listdir(store.run_dir(run)) if n.startswith("stats-")]) for run in (RUN_A, RUN_B)}
     size = {run: sum(p.stat().st_size for p in store.run_dir(run).glob("stats-*")) for run in (RUN_A, RUN_B)}
     return {"seconds": time.perf_counter() - begin, "files": files, "bytes": size}
