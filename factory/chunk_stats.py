@@ -62,9 +62,26 @@ def parse_name(name: str) -> tuple[str, str, int] | None:
     return None
 
 
+VIEW_KEYS = ("groups_kept", "dropped", "flow_run_id")
+"""What the viewer reads of a chunk's stats (drops and flow runs); a segment holds them apart, for cheap reading."""
+
+SUMMED_KEYS = ("groups_kept", "rollouts", "completion_tokens", "scored")
+"""What the run's summary adds up over chunks, with `dropped` by reason and `score_sum` (in thousandths, rounded per
+chunk)."""
+
+
 def segment_chunks(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """A segment's chunk -> stats."""
-    return {int(chunk): stats for chunk, stats in (data.get("chunks") or {}).items()}
+    """A segment's chunk -> stats (each held as its file's text, parsed here: readers that need less read less)."""
+    return {int(chunk): json.loads(text) if isinstance(text, str) else text
+            for chunk, text in (data.get("chunks") or {}).items()}
+
+
+def segment_view(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A segment's chunk -> the VIEW_KEYS of its stats, without parsing the chunks' stats."""
+    if "view" in data:
+        return {int(chunk): view for chunk, view in data["view"].items()}
+    return {chunk: {key: stats[key] for key in VIEW_KEYS if key in stats}
+            for chunk, stats in segment_chunks(data).items()}
 
 
 def totals(chunks: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -72,16 +89,17 @@ def totals(chunks: dict[int, dict[str, Any]]) -> dict[str, Any]:
     out: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     flow_runs: Counter[str] = Counter()
-    score_sum = 0.0
+    score_sum, score_sum_milli = 0.0, 0
     for stats in chunks.values():
         for key in TOTAL_KEYS:
             out[key] += int(stats.get(key) or 0)
         dropped.update({reason: int(count) for reason, count in (stats.get("dropped") or {}).items()})
         score_sum += float(stats.get("score_sum") or 0.0)
+        score_sum_milli += round(float(stats.get("score_sum") or 0.0) * 1000)
         if run := stats.get("flow_run_id"):
             flow_runs[str(run)] += 1
     return {"chunks": len(chunks), **{key: out[key] for key in TOTAL_KEYS}, "score_sum": score_sum,
-            "dropped": dict(dropped), "flow_runs": dict(flow_runs)}
+            "score_sum_milli": score_sum_milli, "dropped": dict(dropped), "flow_runs": dict(flow_runs)}
 
 
 @dataclass
@@ -174,6 +192,46 @@ def scan(run_dir: Path | str, producer: str | None = None) -> Scan:
     return out
 
 
+def summed(run_dir: Path | str, producer: str, committed: set[int]) -> tuple[Counter[str], Counter[str]]:
+    """SUMMED_KEYS and `score_sum_milli` added up over the committed chunks of `producer`, and their drops by reason:
+    a segment (committed chunks only) by its totals, a per-chunk file no segment holds by its stats."""
+    segments, files = listing(run_dir, producer)
+    run_dir = Path(run_dir)
+    sums: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    folded: set[int] = set()
+
+    def add(stats: dict[str, Any]) -> None:
+        dropped.update(stats["dropped"])
+        for key in SUMMED_KEYS:
+            sums[key] += stats[key]
+        sums["score_sum_milli"] += round(stats["score_sum"] * 1000)
+
+    for name, _ in segments:
+        data = json.loads((run_dir / name).read_text(encoding="utf-8"))
+        chunks = {int(chunk) for chunk in data.get("chunks") or {}}
+        new = chunks - folded
+        folded |= chunks
+        total = data.get("totals") or {}
+        if new == chunks and chunks <= committed and "score_sum_milli" in total:
+            dropped.update(total["dropped"])
+            for key in (*SUMMED_KEYS, "score_sum_milli"):
+                sums[key] += total[key]
+        else:  # a chunk in two segments, or one not committed: neither is written, but count right anyway
+            with gc_paused():
+                for chunk, stats in segment_chunks(data).items():
+                    if chunk in new and chunk in committed:
+                        add(stats)
+    for (_, chunk), name in files.items():
+        if chunk in folded or chunk not in committed:
+            continue
+        try:
+            add(json.loads((run_dir / name).read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return sums, dropped
+
+
 def read_all(store: Any, run_id: str, producer: str | None = None) -> dict[tuple[str, int], dict[str, Any]]:
     """(producer, chunk) -> stats over the run's segments and per-chunk files (of one producer, or all)."""
     return scan(store.run_dir(run_id), producer).stats
@@ -183,8 +241,11 @@ def write_segment(store: Any, run_id: str, producer: str, chunks: dict[int, dict
     """Write `chunks` (committed chunks of `producer` -> their stats, as in their files) as one segment, atomically;
     its name."""
     name = segment_name(producer, min(chunks), max(chunks))
+    order = sorted(chunks)
     data = {"version": SEGMENT_VERSION, "producer": producer, "totals": totals(chunks),
-            "chunks": {str(chunk): chunks[chunk] for chunk in sorted(chunks)}}
+            "view": {str(chunk): {key: chunks[chunk][key] for key in VIEW_KEYS if key in chunks[chunk]}
+                     for chunk in order},
+            "chunks": {str(chunk): json.dumps(chunks[chunk]) for chunk in order}}
     store.write_run_file(run_id, name, json.dumps(data, separators=(",", ":")))
     return name
 

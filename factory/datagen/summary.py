@@ -6,7 +6,7 @@ from collections import Counter
 from typing import Any
 
 from factory.datagen.store import run_location
-from factory.chunk_stats import gc_paused, iter_stats
+from factory.chunk_stats import summed
 from factory.store import ShardStore
 from tasks.group import DROP_REASONS
 
@@ -25,17 +25,8 @@ def summarize(store: ShardStore, cfg: Any, seconds: float, session: Counter[str]
               intervals: list[tuple[float, float]]) -> dict[str, Any]:
     """Totals over every committed chunk of this producer (this session and earlier ones)."""
     run, producer = cfg.datagen.run_id, cfg.datagen.producer
-    totals: Counter[str] = Counter()
-    dropped: Counter[str] = Counter()
     committed = {record.chunk for record in store.committed(run).values() if record.producer == producer}
-    with gc_paused():  # a segment's stats live while it is summed (see gc_paused)
-        for _, chunk, stats, _ in iter_stats(store.run_dir(run), producer):  # per-chunk files and folded segments
-            if chunk not in committed:
-                continue
-            dropped.update(stats["dropped"])
-            for key in ("groups_kept", "rollouts", "completion_tokens", "scored"):
-                totals[key] += stats[key]
-            totals["score_sum_milli"] += round(stats["score_sum"] * 1000)
+    totals, dropped = summed(store.run_dir(run), producer, committed)  # per-chunk files and folded segments
     totals["chunks"] = len(committed)
     return {
         "run_id": run,

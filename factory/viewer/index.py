@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from factory.chunk_stats import parse_name as parse_stats_name
-from factory.chunk_stats import gc_paused, segment_chunks
+from factory.chunk_stats import VIEW_KEYS, gc_paused, segment_view
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
 from factory.store_records import Block
@@ -172,6 +172,8 @@ class RunIndex:
         """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones;
         a segment's (never rewritten) is (None, chunk -> stats)."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
+        """(producer, chunk) -> what the viewer reads of its stats (`VIEW_KEYS`): the rest, e.g. the curriculum
+        outcomes of every item (most of a file), is left out as it is read."""
         self.run_stats: dict[str, dict[str, Any]] = {}
         self._metrics_key: tuple[str, int, int] | None = None
         self._metrics: list[dict[str, Any]] = []
@@ -447,9 +449,9 @@ class RunIndex:
                     try:
                         data = json.loads((self.run_dir / name).read_text(encoding="utf-8"))
                         if kind == "segment":
-                            data = {k: _viewed(stats) for k, stats in segment_chunks(data).items()}
+                            data = segment_view(data)
                         elif kind == "chunk":
-                            data = _viewed(data)
+                            data = {key: data[key] for key in VIEW_KEYS if key in data}
                     except (OSError, ValueError, AttributeError):
                         continue
                 self._stats_files[name] = (version, data)
@@ -680,15 +682,6 @@ class StoreIndex:
             else:
                 groups, shards = groups + item.rows, shards + 1
         return groups, shards
-
-
-CHUNK_STATS_KEYS = ("groups_kept", "dropped", "flow_run_id")
-"""What the viewer keeps of a chunk's stats (drops and flow runs); the rest (e.g. the curriculum outcomes of every
-item, most of a file) is dropped as it is read, so a run's history costs the viewer ~3 small objects per chunk."""
-
-
-def _viewed(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: stats[key] for key in CHUNK_STATS_KEYS if key in stats}
 
 
 def _local_run_dir(store: StoreReader, run_id: str) -> Path | None:

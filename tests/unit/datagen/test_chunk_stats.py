@@ -73,8 +73,10 @@ def test_a_kill_between_the_segment_and_the_deletion_counts_each_chunk_once(tmp_
         store.commit(RUN, PRODUCER, chunk, grouped_chunk(chunk * 3, 3).groups)
     before_summary = summary_of(store)
     before = read_all(store, RUN)
-    write_segment(store, RUN, PRODUCER, {c: stats_of(c) for c in range(4)})  # killed here: the files are still there
+    name = write_segment(store, RUN, PRODUCER, {c: stats_of(c) for c in range(4)})  # killed here: files still there
     assert len(names(store)) == 7
+    segment = json.loads((store.run_dir(RUN) / name).read_text())
+    assert segment["chunks"]["2"] == (store.run_dir(RUN) / chunk_stats_name(PRODUCER, 2)).read_text()  # verbatim
     assert read_all(store, RUN) == before and summary_of(store) == before_summary
     start = scan(store.run_dir(RUN), PRODUCER)
     folder = Folder(store, RUN, PRODUCER, start, committed=set(range(6)), threshold=3)
@@ -145,3 +147,18 @@ def test_an_unreadable_segment_stops_a_resume_rather_than_forget_its_chunks(tmp_
     with pytest.raises(ValueError):
         scan(store.run_dir(RUN), PRODUCER)
     assert scan(store.run_dir(RUN), "other").stats == {}
+
+
+def test_the_summary_counts_a_chunk_once_also_when_segments_overlap_or_hold_an_uncommitted_chunk(tmp_path):
+    store = ShardStore(tmp_path)
+    for chunk in range(5):
+        store.commit(RUN, PRODUCER, chunk, grouped_chunk(chunk * 3, 3).groups)
+    write_files(store, range(5))
+    expected = summary_of(store)
+    write_segment(store, RUN, PRODUCER, {c: stats_of(c) for c in range(3)})
+    write_segment(store, RUN, PRODUCER, {c: stats_of(c) for c in (2, 3, 7)})  # 2 twice, 7 never committed
+    assert summary_of(store) == expected
+    for chunk in range(4):
+        (store.run_dir(RUN) / chunk_stats_name(PRODUCER, chunk)).unlink()
+    assert summary_of(store) == expected and expected["groups_kept"] == sum(stats_of(c)["groups_kept"]
+                                                                            for c in range(5))
