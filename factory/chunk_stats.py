@@ -3,14 +3,15 @@
 A datagen flow writes `stats-<producer>-<chunk:08d>.json` before it commits each chunk's shard (the stats of a
 chunk whose commit failed are removed again). A day of a hundred workers leaves ~10^6 of them in one run
 directory, and every reader (the viewer's drop counts, the run summary, a resume's curriculum replay) would walk
-them all. So the producer's only writer folds them: once `FOLD_CHUNKS` committed chunks sit in per-chunk files,
-it writes one segment, `stats-<producer>.chunks-<first:08d>-<last:08d>.json`, holding those chunks' stats
-(verbatim, by chunk) and their totals, atomically and write-once (an object store's run files get no append), and
-only then deletes the per-chunk files it holds.
+them all. So the producer's only writer folds them (`Folder`, owned by `DatagenRun`): once `FOLD_CHUNKS`
+committed chunks sit in per-chunk files, it writes one segment, `stats-<producer>.chunks-<first:08d>-<last:08d>.json`,
+atomically and write-once (an object store's run files get no append), and only then deletes the files it holds.
+A segment holds, by chunk, each file's text verbatim (`chunks`, parsed only by a resume), what the viewer shows
+(`view`: kept, drops, flow run) and the chunks' `totals` (what the summary adds up).
 
-A kill between the two leaves a chunk both in a segment and as a file, with identical content: every reader goes
-through `scan`/`read_all`, which counts it once (the segment's copy), and the next fold of that producer deletes
-the leftover files. A run written before folding (per-chunk files only) reads exactly as before.
+A kill between the two leaves a chunk both in a segment and as a file, with identical content: the readers here
+(`iter_stats`, `scan`, `read_all`, `summed`) and the viewer count it once (the segment's copy), and the writer's
+next fold deletes the leftover files. A run written before folding (per-chunk files only) reads as before.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def iter_stats(run_dir: Path | str, producer: str | None = None,
     """(producer, chunk, stats, from a segment) for every chunk of the run (of one producer, or all), one segment or
     file at a time: segments first, then the per-chunk files no segment holds (a chunk in both counts once).
 
-    An unreadable per-chunk file reads as absent (as before folding); a segment that cannot be read raises, so a
-    resume never silently forgets hundreds of chunks."""
+    A file or segment that cannot be parsed raises, as a stats file did before folding: a resume never silently
+    forgets a chunk's curriculum outcomes. (The viewer reads on its own and skips what it cannot parse.)"""
     segments, files = found if found is not None else listing(run_dir, producer)
     run_dir = Path(run_dir)
     folded: set[tuple[str, int]] = set()
@@ -175,7 +176,7 @@ def iter_stats(run_dir: Path | str, producer: str | None = None,
             continue  # a kill came between its segment's write and its file's deletion
         try:
             stats = json.loads((run_dir / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except FileNotFoundError:  # folded and deleted since the listing
             continue
         yield owner, chunk, stats, False
 
@@ -227,7 +228,7 @@ def summed(run_dir: Path | str, producer: str, committed: set[int]) -> tuple[Cou
             continue
         try:
             add(json.loads((run_dir / name).read_text(encoding="utf-8")))
-        except (OSError, ValueError):
+        except FileNotFoundError:  # folded and deleted since the listing
             continue
     return sums, dropped
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from environments.base import EnvSpec, load_env
+from factory.chunk_stats import Folder, chunk_stats_name, scan
 from factory.config import to_yaml
 from factory.datagen.backpressure import Backpressure
 from factory.datagen.config import JobConfig, job_config_model
@@ -29,7 +30,6 @@ from factory.datagen.ops import RunOps
 from factory.datagen.store import open_datagen_store, run_location
 from factory.datagen.summary import summarize
 from factory.prefect_outage import best_effort
-from factory.chunk_stats import Folder, chunk_stats_name, scan
 from factory.run_outcome import count_discarded, forget_stats, read_discarded, target_missed_message, whole_run_totals
 from factory.sampling import DynamicSampling, make_curriculum
 from factory.store import ShardStore

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from factory.datagen.store import run_location
 from factory.chunk_stats import summed
+from factory.datagen.store import run_location
 from factory.store import ShardStore
 from tasks.group import DROP_REASONS
 

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from factory.chunk_stats import parse_name as parse_stats_name
 from factory.chunk_stats import VIEW_KEYS, gc_paused, segment_view
+from factory.chunk_stats import parse_name as parse_stats_name
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
 from factory.store_records import Block
@@ -170,7 +170,7 @@ class RunIndex:
         self._stats_key: tuple[tuple[str, tuple[int, int, int] | None], ...] = ()
         self._stats_files: dict[str, tuple[tuple[int, int, int] | None, dict[str, Any]]] = {}
         """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones;
-        a segment's (never rewritten) is (None, chunk -> stats)."""
+        a segment's (never rewritten) is (None, chunk -> its view)."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
         """(producer, chunk) -> what the viewer reads of its stats (`VIEW_KEYS`): the rest, e.g. the curriculum
         outcomes of every item (most of a file), is left out as it is read."""
