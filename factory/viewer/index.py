@@ -175,6 +175,8 @@ class RunIndex:
         """(producer, chunk) -> what the viewer reads of its stats (`VIEW_KEYS`): the rest, e.g. the curriculum
         outcomes of every item (most of a file), is left out as it is read."""
         self.run_stats: dict[str, dict[str, Any]] = {}
+        self._stats_answers: dict[str, tuple[Any, Any, Any]] = {}
+        """drops() and flow_runs() as last computed, with the chunk_stats and run_stats dicts they came from."""
         self._metrics_key: tuple[str, int, int] | None = None
         self._metrics: list[dict[str, Any]] = []
         self._merged: dict[str, tuple[pq.FileMetaData, list[int]]] = {}
@@ -437,7 +439,8 @@ class RunIndex:
         if key == self._stats_key:
             return
         self._stats_key = key
-        self.chunk_stats, self.run_stats = {}, {}
+        chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
+        run_stats: dict[str, dict[str, Any]] = {}
         known, self._stats_files = self._stats_files, {}
         chunk_files: list[tuple[str, int, dict[str, Any]]] = []
         with gc_paused():  # the parsed stats are kept: collections would walk them over and over
@@ -452,17 +455,19 @@ class RunIndex:
                             data = segment_view(data)
                         elif kind == "chunk":
                             data = {key: data[key] for key in VIEW_KEYS if key in data}
-                    except (OSError, ValueError, AttributeError):
+                    except (OSError, ValueError, AttributeError, TypeError):
                         continue
                 self._stats_files[name] = (version, data)
                 if kind == "segment":
-                    self.chunk_stats.update({(producer, k): stats for k, stats in data.items()})
+                    chunk_stats.update({(producer, k): stats for k, stats in data.items()})
                 elif kind == "chunk":
                     chunk_files.append((producer, chunk, data))
                 else:
-                    self.run_stats[producer] = data
+                    run_stats[producer] = data
         for producer, chunk, data in chunk_files:
-            self.chunk_stats.setdefault((producer, chunk), data)  # a segment's copy first (the same content)
+            chunk_stats.setdefault((producer, chunk), data)  # a segment's copy first (the same content)
+        # whole new dicts, never changed after: drops() and flow_runs() cache their answers on them
+        self.chunk_stats, self.run_stats = chunk_stats, run_stats
 
     @property
     def frame(self) -> pl.DataFrame:
@@ -517,36 +522,23 @@ class RunIndex:
         return pl.concat(pieces, how="vertical_relaxed") if len(pieces) > 1 else pieces[0]
 
     def drops(self) -> dict[str, Any]:
-        """Kept and dropped groups by reason: summed over chunk stats, else the producer's summary."""
-        kept, dropped, chunks = 0, {}, []
-        producers_with_chunks = {producer for producer, _ in self.chunk_stats}
-        for (producer, chunk), stats in sorted(self.chunk_stats.items()):
-            kept += int(stats.get("groups_kept", 0))
-            for reason, count in (stats.get("dropped") or {}).items():
-                dropped[reason] = dropped.get(reason, 0) + int(count)
-            chunks.append({"producer": producer, "chunk": chunk, "kept": stats.get("groups_kept"),
-                           "dropped": stats.get("dropped") or {}, "flow_run_id": stats.get("flow_run_id")})
-        for producer, stats in self.run_stats.items():
-            if producer in producers_with_chunks:
-                continue
-            kept += int(stats.get("groups_kept", 0))
-            for reason, count in (stats.get("dropped") or {}).items():
-                dropped[reason] = dropped.get(reason, 0) + int(count)
-        recorded = bool(self.chunk_stats or self.run_stats)
-        return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": recorded}
+        """Kept and dropped groups by reason: summed over chunk stats, else the producer's summary. Computed once per
+        set of stats files read (a run page asks on every render); do not change what it returns."""
+        return self._stats_answer("drops", _drops)
 
     def flow_runs(self) -> list[dict[str, Any]]:
-        """Prefect flow runs that committed this run's chunks (from `flow_run_id` in chunk stats), with chunk counts."""
-        runs: dict[str, dict[str, Any]] = {}
-        for (producer, _chunk), stats in sorted(self.chunk_stats.items()):
-            run_id = stats.get("flow_run_id")
-            if run_id:
-                entry = runs.setdefault(str(run_id), {"id": str(run_id), "producer": producer, "chunks": 0})
-                entry["chunks"] += 1
-        for producer, stats in self.run_stats.items():
-            if (run_id := stats.get("flow_run_id")) and str(run_id) not in runs:
-                runs[str(run_id)] = {"id": str(run_id), "producer": producer, "chunks": None}
-        return list(runs.values())
+        """Prefect flow runs that committed this run's chunks (from `flow_run_id` in chunk stats), with chunk counts.
+        Computed once per set of stats files read, as `drops`."""
+        return self._stats_answer("flow_runs", _flow_runs)
+
+    def _stats_answer(self, what: str, compute: Any) -> Any:
+        chunk_stats, run_stats = self.chunk_stats, self.run_stats  # replaced whole by a refresh, never changed
+        cached = self._stats_answers.get(what)
+        if cached is not None and cached[0] is chunk_stats and cached[1] is run_stats:
+            return cached[2]
+        answer = compute(chunk_stats, run_stats)
+        self._stats_answers[what] = (chunk_stats, run_stats, answer)
+        return answer
 
     def train_metrics(self) -> tuple[Path | None, list[dict[str, Any]]]:
         """The trainer's per-step metrics (first of TRAIN_METRICS_PATHS that exists), re-read when it changes."""
@@ -682,6 +674,39 @@ class StoreIndex:
             else:
                 groups, shards = groups + item.rows, shards + 1
         return groups, shards
+
+
+def _drops(chunk_stats: dict[tuple[str, int], dict[str, Any]], run_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    kept, dropped, chunks = 0, {}, []
+    producers_with_chunks = {producer for producer, _ in chunk_stats}
+    for (producer, chunk), stats in sorted(chunk_stats.items()):
+        kept += int(stats.get("groups_kept", 0))
+        for reason, count in (stats.get("dropped") or {}).items():
+            dropped[reason] = dropped.get(reason, 0) + int(count)
+        chunks.append({"producer": producer, "chunk": chunk, "kept": stats.get("groups_kept"),
+                       "dropped": stats.get("dropped") or {}, "flow_run_id": stats.get("flow_run_id")})
+    for producer, stats in run_stats.items():
+        if producer in producers_with_chunks:
+            continue
+        kept += int(stats.get("groups_kept", 0))
+        for reason, count in (stats.get("dropped") or {}).items():
+            dropped[reason] = dropped.get(reason, 0) + int(count)
+    recorded = bool(chunk_stats or run_stats)
+    return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": recorded}
+
+
+def _flow_runs(chunk_stats: dict[tuple[str, int], dict[str, Any]],
+               run_stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    runs: dict[str, dict[str, Any]] = {}
+    for (producer, _chunk), stats in sorted(chunk_stats.items()):
+        run_id = stats.get("flow_run_id")
+        if run_id:
+            entry = runs.setdefault(str(run_id), {"id": str(run_id), "producer": producer, "chunks": 0})
+            entry["chunks"] += 1
+    for producer, stats in run_stats.items():
+        if (run_id := stats.get("flow_run_id")) and str(run_id) not in runs:
+            runs[str(run_id)] = {"id": str(run_id), "producer": producer, "chunks": None}
+    return list(runs.values())
 
 
 def _local_run_dir(store: StoreReader, run_id: str) -> Path | None:

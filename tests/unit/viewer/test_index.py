@@ -208,3 +208,14 @@ def test_drops_and_flow_runs_are_the_same_after_folding_and_a_segment_is_read_on
     folded = RunIndex(store, "run-1")
     folded.refresh()
     assert (folded.drops(), folded.flow_runs(), folded.chunk_stats) == before and folded.run_stats == {}
+
+
+def test_drops_and_flow_runs_are_computed_once_per_set_of_stats_files(store):
+    index = RunIndex(store, "run-1")
+    index.refresh()
+    drops, runs = index.drops(), index.flow_runs()
+    index.refresh()  # nothing new
+    assert index.drops() is drops and index.flow_runs() is runs
+    write_chunk(store, "run-1", 3, [make_group(60 + i, "run-1", 3) for i in range(5)])
+    index.refresh()
+    assert index.drops()["kept"] == drops["kept"] + 5 and index.flow_runs()[0]["chunks"] == runs[0]["chunks"] + 1
