@@ -10,7 +10,7 @@ A segment holds, by chunk, each file's text verbatim (`chunks`, parsed only by a
 (`view`: kept, drops, flow run) and the chunks' `totals` (what the summary adds up).
 
 A kill between the two leaves a chunk both in a segment and as a file, with identical content: the readers here
-(`iter_stats`, `scan`, `read_all`, `summed`) and the viewer count it once (the segment's copy), and the writer's
+(`iter_stats`, `Restore`, `read_all`, `summed`) and the viewer count it once (the segment's copy), and the writer's
 next fold deletes the leftover files. A run written before folding (per-chunk files only) reads as before.
 """
 
@@ -24,7 +24,6 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,21 +102,6 @@ def totals(chunks: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "score_sum_milli": score_sum_milli, "dropped": dict(dropped), "flow_runs": dict(flow_runs)}
 
 
-@dataclass
-class Scan:
-    """One look at a run's chunk stats: every chunk's stats (a segment's copy where a chunk is in both), and where
-    they came from."""
-
-    stats: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
-    folded_chunks: set[tuple[str, int]] = field(default_factory=set)
-    """(producer, chunk) of the chunks a segment holds."""
-    files: dict[tuple[str, int], str] = field(default_factory=dict)
-    """(producer, chunk) -> per-chunk file name, for every per-chunk file present (folded or not)."""
-
-    def folded(self, producer: str) -> set[int]:
-        return {chunk for p, chunk in self.folded_chunks if p == producer}
-
-
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No cyclic garbage collection while a reader loads many parsed stats that stay alive a while (the viewer's
@@ -181,16 +165,37 @@ def iter_stats(run_dir: Path | str, producer: str | None = None,
         yield owner, chunk, stats, False
 
 
-def scan(run_dir: Path | str, producer: str | None = None) -> Scan:
-    """Every chunk's stats of the run (of one producer, or all), held in memory, and which chunks are folded."""
-    found = listing(run_dir, producer)
-    out = Scan(files=found[1])
-    with gc_paused():
-        for owner, chunk, stats, from_segment in iter_stats(run_dir, producer, found):
-            out.stats[(owner, chunk)] = stats
+class Restore:
+    """One producer's chunk stats, streamed once in `for chunk, stats in restore` (a resume's replay), remembering
+    on the way what the writer's `Folder` starts from: the per-chunk files, the chunks segments hold, and the stats
+    of the chunks only in files (at most a segment's worth, unless the run predates folding)."""
+
+    def __init__(self, run_dir: Path | str, producer: str) -> None:
+        self.run_dir, self.producer = run_dir, producer
+        self.found = listing(run_dir, producer)
+        self.files = {chunk: name for (_, chunk), name in self.found[1].items()}
+        """chunk -> per-chunk file name, for every per-chunk file present (folded or not)."""
+        self.folded: set[int] = set()
+        self.unfolded: dict[int, dict[str, Any]] = {}
+        self.done = False
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        if self.done:
+            raise RuntimeError("a Restore is read once")
+        for _, chunk, stats, from_segment in iter_stats(self.run_dir, self.producer, self.found):
             if from_segment:
-                out.folded_chunks.add((owner, chunk))
-    return out
+                self.folded.add(chunk)
+            else:
+                self.unfolded[chunk] = stats
+            yield chunk, stats
+        self.done = True
+
+    def finish(self) -> Restore:
+        """Read what was not read yet (nothing after a full replay)."""
+        if not self.done:
+            for _ in self:
+                pass
+        return self
 
 
 def summed(run_dir: Path | str, producer: str, committed: set[int]) -> tuple[Counter[str], Counter[str]]:
@@ -234,8 +239,9 @@ def summed(run_dir: Path | str, producer: str, committed: set[int]) -> tuple[Cou
 
 
 def read_all(store: Any, run_id: str, producer: str | None = None) -> dict[tuple[str, int], dict[str, Any]]:
-    """(producer, chunk) -> stats over the run's segments and per-chunk files (of one producer, or all)."""
-    return scan(store.run_dir(run_id), producer).stats
+    """(producer, chunk) -> stats over the run's segments and per-chunk files (of one producer, or all), in memory."""
+    with gc_paused():
+        return {(owner, chunk): stats for owner, chunk, stats, _ in iter_stats(store.run_dir(run_id), producer)}
 
 
 def write_segment(store: Any, run_id: str, producer: str, chunks: dict[int, dict[str, Any]]) -> str:
@@ -275,15 +281,16 @@ class Folder:
     """The producer's single writer's side: the committed chunks still in per-chunk files, folded into a segment
     once there are `threshold` of them. Plain; `DatagenRun` owns one and calls `committed` after each commit."""
 
-    def __init__(self, store: Any, run_id: str, producer: str, start: Scan, committed: set[int],
+    def __init__(self, store: Any, run_id: str, producer: str, start: Restore, committed: set[int],
                  threshold: int | None = None) -> None:
+        """`start`: the producer's stats as a resume read them (read here if it did not); `committed`: its chunks
+        whose shard is committed."""
         self.store, self.run_id, self.producer = store, run_id, producer
         self.threshold = FOLD_CHUNKS if threshold is None else threshold
-        folded = start.folded(producer)
-        self.unfolded: dict[int, dict[str, Any]] = {
-            chunk: start.stats[(producer, chunk)] for (p, chunk) in start.files
-            if p == producer and chunk in committed and chunk not in folded and (p, chunk) in start.stats}
-        self.leftovers = [name for (p, chunk), name in start.files.items() if p == producer and chunk in folded]
+        start.finish()
+        self.unfolded: dict[int, dict[str, Any]] = {chunk: stats for chunk, stats in start.unfolded.items()
+                                                    if chunk in committed}
+        self.leftovers = [name for chunk, name in start.files.items() if chunk in start.folded]
         """Per-chunk files of chunks a segment already holds (a kill between a fold's two steps): deleted by the
         next fold."""
         self.segments: list[str] = []

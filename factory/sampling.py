@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from factory.chunk_stats import Scan, gc_paused, scan
+from factory.chunk_stats import Restore, gc_paused
 from factory.chunk_stats import chunk_stats_name as chunk_stats_name  # where it was defined before
 from factory.curriculum import Curriculum, CurriculumSettings, ItemOutcome
 from factory.store import ShardStore
@@ -61,9 +61,9 @@ class DynamicSampling:
     def __init__(self, store: ShardStore, *, run_id: str, producer: str, chunk_items: int, total_items: int,
                  target_groups: int | None = None, max_items: int | None = None, chunks_in_flight: int = 1,
                  curriculum: Curriculum | None = None, solved: Callable[[Any, float], bool] | None = None,
-                 chunk_stats: Scan | None = None) -> None:
-        """`chunk_stats`: the producer's chunk stats as `factory.chunk_stats.scan` read them (read here when not
-        given; not kept: it holds the whole run's)."""
+                 chunk_stats: Restore | None = None) -> None:
+        """`chunk_stats`: the producer's chunk stats to replay (`factory.chunk_stats.Restore`; made here when not
+        given), streamed, not kept."""
         self.store, self.run_id, self.producer = store, run_id, producer
         self.chunk_items = chunk_items
         self.target = target_groups
@@ -83,21 +83,32 @@ class DynamicSampling:
         self.committed_groups = sum(r.rows for r in records)
         self.committed_items = 0
         self._trimmed_committed = 0
-        with gc_paused():  # the run's stats are held while they are replayed (see gc_paused)
-            stats_scan = chunk_stats if chunk_stats is not None else scan(store.run_dir(run_id), producer)
-            for record in sorted(records, key=lambda r: r.chunk):
-                stats = stats_scan.stats.get((producer, record.chunk), {})
-                self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
-                self.committed_items += int(stats.get("items", self._chunk_len(record.chunk)))
-                if curriculum is not None:
-                    outcomes = [ItemOutcome.from_list(row) for row in stats.get("curriculum", [])]
-                    curriculum.apply(record.chunk, outcomes, stats.get("groups_kept_by_family"))
-                    self._plans[record.chunk] = curriculum.plan()
+        restore = chunk_stats if chunk_stats is not None else Restore(store.run_dir(run_id), producer)
+        order, pending, done = sorted(self.committed_chunks), {}, 0
+        with gc_paused():  # replayed in chunk order as the stats stream in (segments and files are mostly in order)
+            for chunk, stats in restore:
+                if chunk not in self.committed_chunks:
+                    continue
+                pending[chunk] = stats
+                while done < len(order) and order[done] in pending:
+                    self._replay(order[done], pending.pop(order[done]))
+                    done += 1
+            for chunk in order[done:]:  # committed chunks without stats (count by chunk length), and any held back
+                self._replay(chunk, pending.pop(chunk, {}))
         self.restored_chunks = len(records)
         if records:
             self.save_curriculum()  # a kill between a commit and its state write left the file one chunk behind
         self._next = 0
         self._fixed_todo = [k for k in range(self.n_chunks) if k not in self.committed_chunks] if self.target is None else []
+
+    def _replay(self, chunk: int, stats: dict[str, Any]) -> None:
+        """Restore one committed chunk from its stats: items, trimming, the curriculum's outcomes and plan."""
+        self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
+        self.committed_items += int(stats.get("items", self._chunk_len(chunk)))
+        if self.curriculum is not None:
+            outcomes = [ItemOutcome.from_list(row) for row in stats.get("curriculum", [])]
+            self.curriculum.apply(chunk, outcomes, stats.get("groups_kept_by_family"))
+            self._plans[chunk] = self.curriculum.plan()
 
     # ---- sizing ----
     @property

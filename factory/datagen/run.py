@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from environments.base import EnvSpec, load_env
-from factory.chunk_stats import Folder, chunk_stats_name, scan
+from factory.chunk_stats import Folder, Restore, chunk_stats_name
 from factory.config import to_yaml
 from factory.datagen.backpressure import Backpressure
 from factory.datagen.config import JobConfig, job_config_model
@@ -177,7 +177,7 @@ class DatagenRun:
         self.score_mode = env_class.scoring if d.score_mode == "auto" else d.score_mode
         env = load_env(self.spec, setup=False)
         self.curriculum = make_curriculum(d.curriculum, env, start_level=min(getattr(cfg.env, "difficulties", [1])))
-        chunk_stats = scan(self.store.run_dir(d.run_id), d.producer)  # one read for the sampler and the folder
+        chunk_stats = Restore(self.store.run_dir(d.run_id), d.producer)  # one read for the sampler and the folder
         self.sampler = DynamicSampling(self.store, run_id=d.run_id, producer=d.producer, chunk_items=d.chunk_items,
                                        total_items=cfg.env.total_items, target_groups=d.target_groups,
                                        max_items=d.max_items, chunks_in_flight=d.chunks_in_flight,

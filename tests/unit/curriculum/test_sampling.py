@@ -16,7 +16,7 @@ import pytest
 from environments.base import Rollout
 from environments.bootcamp_tasks import parse_key
 from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
-from factory.chunk_stats import Folder, fold, read_all, scan
+from factory.chunk_stats import Folder, Restore, fold, read_all
 from factory.curriculum import CurriculumSettings
 from factory.datagen.run import ChunkCommitter, ChunksInFlight, PlannedChunk
 from factory.run_outcome import target_missed_message
@@ -52,7 +52,7 @@ def run_loop(store, *, target=None, total_items=40, max_items=None, chunk_items=
     tasks replaced by direct calls."""
     env = InternBootcampEnv(InternBootcampConfig(difficulties=[3], group_size=group_size))
     cur = make_curriculum(CurriculumSettings(enabled=curriculum, min_items=4), env, start_level=3)
-    found = scan(store.run_dir(RUN), PRODUCER)  # as DatagenRun: one read for the sampler and the folder
+    found = Restore(store.run_dir(RUN), PRODUCER)  # as DatagenRun: one read for the sampler and the folder
     s = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=chunk_items, total_items=total_items,
                         target_groups=target, max_items=max_items, chunks_in_flight=lag, curriculum=cur,
                         solved=env.solved, chunk_stats=found)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from factory import chunk_stats
-from factory.chunk_stats import Folder, chunk_stats_name, parse_name, read_all, scan, segment_name, write_segment
+from factory.chunk_stats import Folder, Restore, chunk_stats_name, parse_name, read_all, segment_name, write_segment
 from factory.datagen.summary import summarize
 from factory.run_outcome import clean_start
 from factory.sampling import DynamicSampling
@@ -78,7 +78,7 @@ def test_a_kill_between_the_segment_and_the_deletion_counts_each_chunk_once(tmp_
     segment = json.loads((store.run_dir(RUN) / name).read_text())
     assert segment["chunks"]["2"] == (store.run_dir(RUN) / chunk_stats_name(PRODUCER, 2)).read_text()  # verbatim
     assert read_all(store, RUN) == before and summary_of(store) == before_summary
-    start = scan(store.run_dir(RUN), PRODUCER)
+    start = Restore(store.run_dir(RUN), PRODUCER)
     folder = Folder(store, RUN, PRODUCER, start, committed=set(range(6)), threshold=3)
     assert sorted(folder.unfolded) == [4, 5] and len(folder.leftovers) == 4
     assert folder.fold_if_due() is None  # nothing due, but the leftovers go
@@ -90,7 +90,7 @@ def test_a_kill_between_the_segment_and_the_deletion_counts_each_chunk_once(tmp_
 def test_the_committer_folds_every_threshold_commits_and_the_summary_stays(tmp_path, monkeypatch):
     plain, folding = ShardStore(tmp_path / "plain"), ShardStore(tmp_path / "folding")
     for store, threshold in ((plain, None), (folding, 3)):
-        found = scan(store.run_dir(RUN), PRODUCER)
+        found = Restore(store.run_dir(RUN), PRODUCER)
         sampler = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=24,
                                   chunk_stats=found)
         folder = None if threshold is None else Folder(store, RUN, PRODUCER, found,
@@ -112,7 +112,7 @@ def test_the_committer_folds_every_threshold_commits_and_the_summary_stays(tmp_p
 def test_a_failed_segment_write_keeps_the_files_and_is_retried(tmp_path, monkeypatch):
     store = ShardStore(tmp_path)
     write_files(store, range(3))
-    folder = Folder(store, RUN, PRODUCER, scan(store.run_dir(RUN), PRODUCER), committed={0, 1}, threshold=3)
+    folder = Folder(store, RUN, PRODUCER, Restore(store.run_dir(RUN), PRODUCER), committed={0, 1}, threshold=3)
     assert sorted(folder.unfolded) == [0, 1]  # chunk 2 is not committed: never folded
     real = store.write_run_file
 
@@ -145,8 +145,10 @@ def test_an_unreadable_segment_stops_a_resume_rather_than_forget_its_chunks(tmp_
     store = ShardStore(tmp_path)
     store.write_run_file(RUN, segment_name(PRODUCER, 0, 255), "{not json")
     with pytest.raises(ValueError):
-        scan(store.run_dir(RUN), PRODUCER)
-    assert scan(store.run_dir(RUN), "other").stats == {}
+        read_all(store, RUN, PRODUCER)
+    with pytest.raises(ValueError):
+        DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=24)
+    assert read_all(store, RUN, "other") == {}
 
 
 def test_the_summary_counts_a_chunk_once_also_when_segments_overlap_or_hold_an_uncommitted_chunk(tmp_path):
@@ -162,3 +164,17 @@ def test_the_summary_counts_a_chunk_once_also_when_segments_overlap_or_hold_an_u
         (store.run_dir(RUN) / chunk_stats_name(PRODUCER, chunk)).unlink()
     assert summary_of(store) == expected and expected["groups_kept"] == sum(stats_of(c)["groups_kept"]
                                                                             for c in range(5))
+
+
+def test_a_resume_replays_committed_chunks_in_chunk_order_whatever_order_the_stats_come_in(tmp_path, monkeypatch):
+    store = ShardStore(tmp_path)
+    for chunk in range(6):
+        store.commit(RUN, PRODUCER, chunk, grouped_chunk(chunk * 3, 3).groups)
+    write_files(store, [2, 5])  # 2 committed late (after chunks 0-4 were folded without it), 5 not folded yet
+    write_segment(store, RUN, PRODUCER, {c: stats_of(c) for c in (0, 1, 3, 4)})
+    replayed = []
+    monkeypatch.setattr(DynamicSampling, "_replay", lambda self, chunk, stats: replayed.append((chunk, stats)))
+    restore = Restore(store.run_dir(RUN), PRODUCER)
+    DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=3, total_items=30, chunk_stats=restore)
+    assert replayed == [(c, stats_of(c)) for c in range(6)]
+    assert restore.folded == {0, 1, 3, 4} and sorted(restore.unfolded) == [2, 5]
