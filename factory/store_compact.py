@@ -48,7 +48,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -79,6 +79,10 @@ and exports ran 5-8x slower (bench/RESULTS.md)."""
 METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
+READ_AHEAD = 64
+READ_AHEAD_BYTES = 64 << 20
+"""Members opened, and their reading asked of the kernel (`posix_fadvise(WILLNEED)`), up to this many (and this
+many bytes) ahead of the one being merged (see `_Members`)."""
 UNLINK_THREADS = 16
 """Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
 OLD_WRITER_WINDOW = 64 << 10
@@ -373,6 +377,76 @@ class _Removals:
             self.removed = False
 
 
+class _Members:
+    """The members of a batch, in order, each opened `READ_AHEAD` members before it is read and its reading asked of
+    the kernel then (`posix_fadvise(WILLNEED)`: the reads are queued and this thread goes on): members of a real
+    compaction are old files, mostly no longer in the page cache (at 1M shards the store is larger than this
+    machine's memory), and read one at a time each read waited for the disk. No thread, no hand-off: one more
+    system call per member.
+
+        with _Members(directory, batch) as members:
+            for record, path, fd in members:   # fd None: the member is missing
+                ...
+
+    What is read is what the member's file held when it was opened: checked against the log's size and sha256
+    as before, and the lock step still checks that the members are committed as they were (a member replaced
+    meanwhile is skipped, as before). Every file it opened is closed when the loop ends or is left."""
+
+    def __init__(self, directory: str, batch: list[CommitRecord], ahead: int = READ_AHEAD,
+                 ahead_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.directory, self.batch, self.ahead, self.ahead_bytes = directory, batch, max(ahead, 0), ahead_bytes
+        self.opened: dict[int, tuple[str, int | None]] = {}
+        self.flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        self.advise = getattr(os, "posix_fadvise", None)
+
+    def _open(self, index: int) -> None:
+        record = self.batch[index]
+        path = os.path.join(self.directory, record.shard)
+        try:
+            fd: int | None = os.open(path, self.flags)
+        except FileNotFoundError:
+            fd = None
+        if fd is not None and self.advise is not None and self.ahead:
+            try:
+                self.advise(fd, 0, record.bytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only a hint
+        self.opened[index] = (path, fd)
+
+    def __enter__(self) -> _Members:
+        return self
+
+    def __iter__(self) -> Iterator[tuple[CommitRecord, str, int | None]]:
+        batch, opened = self.batch, self.opened
+        following = ahead_bytes = 0  # the next member to open; bytes opened and not yet read
+        for index, record in enumerate(batch):
+            following = max(following, index)
+            while following < len(batch) and (following == index or (
+                    following - index <= self.ahead and ahead_bytes + batch[following].bytes <= self.ahead_bytes)):
+                self._open(following)
+                ahead_bytes += batch[following].bytes
+                following += 1
+            ahead_bytes -= record.bytes
+            yield (record, *opened.pop(index))
+
+    def __exit__(self, *exc: object) -> None:
+        for _, fd in self.opened.values():
+            if fd is not None:
+                os.close(fd)
+        self.opened.clear()
+
+
+def _read_member(fd: int, size: int) -> bytes:
+    """The file's bytes, up to `size` + 1 (one more than the log says tells a longer file); the caller closes `fd`."""
+    data = os.read(fd, size + 1)
+    while len(data) <= size:  # a short read (large files, some filesystems): read on
+        more = os.read(fd, size + 1 - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
     """Write the members' row groups, in order and as they are, to `tmp`; (rows, None, sha256 of `tmp`) or
     (0, why a member cannot be merged, None). Raises `ConcatRefused` where they cannot be copied as they are.
@@ -392,17 +466,18 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
         return hashlib.sha256(data).hexdigest()
 
     rows = 0
-    with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher:
+    with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher, \
+            _Members(os.fspath(shards), batch) as members:
         concat = ParquetConcat(handle, write)
-        for record in batch:
-            path = shards / record.shard
-            try:
-                with open(path, "rb") as member:
-                    data = member.read()
-            except FileNotFoundError:
+        for record, path, member in members:
+            if member is None:
                 return 0, f"shard {path}: missing", None
+            try:
+                data = _read_member(member, record.bytes)
+            finally:
+                os.close(member)
             if len(data) != record.bytes:
-                return 0, f"shard {path}: size is {len(data)} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+                return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
             corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
             if len(data) < PARALLEL_HASH_BYTES:
                 if checksum(data) != record.sha256:
@@ -441,7 +516,6 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
     rows = 0
     written: list[Any] = []
     directory = os.fspath(shards)
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
 
     def write() -> None:
@@ -454,31 +528,24 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
 
     try:
         merge = PageMerge(written.append, row_group_groups)
-        for record in batch:
-            path = os.path.join(directory, record.shard)
-            try:
-                member = os.open(path, flags)
-            except FileNotFoundError:
-                return 0, f"shard {path}: missing", None
-            try:
-                data = os.read(member, record.bytes + 1)
-                while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
-                    more = os.read(member, record.bytes + 1 - len(data))
-                    if not more:
-                        break
-                    data += more
-            finally:
-                os.close(member)
-            if len(data) != record.bytes:
-                return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-            if hashlib.sha256(data).hexdigest() != record.sha256:
-                return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
-            held = merge.add(data, path)
-            if held != record.rows:
-                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
-            rows += held
-            if written:
-                write()
+        with _Members(directory, batch) as members:
+            for record, path, member in members:
+                if member is None:
+                    return 0, f"shard {path}: missing", None
+                try:
+                    data = _read_member(member, record.bytes)
+                finally:
+                    os.close(member)
+                if len(data) != record.bytes:
+                    return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+                if hashlib.sha256(data).hexdigest() != record.sha256:
+                    return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
+                held = merge.add(data, path)
+                if held != record.rows:
+                    return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+                rows += held
+                if written:
+                    write()
         merge.finish()
         write()
         os.fsync(fd)

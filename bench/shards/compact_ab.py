@@ -74,8 +74,24 @@ PRESETS = {"tiny": (10, 4, 64), "rl": (8, 8, 1024), "datagen": (100, 16, 320)}
 """(groups per shard, sequences per group, tokens per sequence)."""
 
 
-def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRESETS["tiny"]) -> dict:
+def evict(directory: Path) -> int:
+    """Drop the page cache of every file in `directory` (written back first by `sync`): the members of a real
+    compaction are old files, and at 1M shards (35 GB) they no longer fit this machine's 23 GB of memory."""
+    count = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            count += 1
+    return count
+
+
+def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRESETS["tiny"], cold: bool = False) -> dict:
     from bench.shards.scale import RUN
+    from factory.store import ShardStore
     from factory.synthetic_store import build_store
 
     shutil.rmtree(root, ignore_errors=True)
@@ -84,6 +100,8 @@ def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRES
     os.sync()
     load = os.getloadavg()[0]
     before = _run(tree, _VIEWER, root)
+    if cold:
+        evict(ShardStore(root).shards_dir(RUN))
     compacted = _run(tree, _COMPACT, root)
     after = _run(tree, _VIEWER, root)
     shutil.rmtree(root, ignore_errors=True)
@@ -102,13 +120,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups-per-shard", type=int, default=None)
     parser.add_argument("--group-size", type=int, default=None, help="sequences per group")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the members' page cache before compacting (as at 1M shards, which outgrow memory)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards, args.rounds = 300, 1
     shape = tuple(given if given is not None else default for given, default in
                   zip((args.groups_per_shard, args.group_size, args.seq_len), PRESETS[args.preset]))
-    print(f"# {args.shards} shards of {shape[0]} groups of {shape[1]} x {shape[2]} tokens")
+    print(f"# {args.shards} shards of {shape[0]} groups of {shape[1]} x {shape[2]} tokens"
+          + (", members evicted from the page cache before compacting" if args.cold else ""))
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="compact-ab-"))
     root = scratch / f"store-{args.shards}"
     results: dict[str, list[dict]] = {"A": [], "B": []}
@@ -118,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(args.rounds):
         order = (("A", args.a), ("B", args.b)) if round_ % 2 == 0 else (("B", args.b), ("A", args.a))
         for label, tree in order:
-            r = trial(tree, root, args.shards, shape)
+            r = trial(tree, root, args.shards, shape, args.cold)
             results[label].append(r)
             b, c, a = r["before"], r["compact"], r["after"]
             print(f"| {label}{round_ + 1} | {r['at']} | {r['load']:.2f} -> {r['load_end']:.2f} | {c['mb_per_s']:.1f} | "
