@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -79,10 +80,10 @@ and exports ran 5-8x slower (bench/RESULTS.md)."""
 METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
-READ_AHEAD = 64
-READ_AHEAD_BYTES = 64 << 20
-"""Members opened, and their reading asked of the kernel (`posix_fadvise(WILLNEED)`), up to this many (and this
-many bytes) ahead of the one being merged (see `_Members`)."""
+READ_AHEAD_BYTES = 32 << 20
+"""Members whose reading is asked of the kernel (`posix_fadvise(WILLNEED)`) up to this many bytes ahead of the one
+being merged (see `_Members`)."""
+READ_AHEAD_WAIT_S = 0.002
 UNLINK_THREADS = 16
 """Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
 OLD_WRITER_WINDOW = 64 << 10
@@ -378,62 +379,73 @@ class _Removals:
 
 
 class _Members:
-    """The members of a batch, in order, each opened `READ_AHEAD` members before it is read and its reading asked of
-    the kernel then (`posix_fadvise(WILLNEED)`: the reads are queued and this thread goes on): members of a real
-    compaction are old files, mostly no longer in the page cache (at 1M shards the store is larger than this
-    machine's memory), and read one at a time each read waited for the disk. No thread, no hand-off: one more
-    system call per member.
+    """The members of a batch, in order, opened one at a time as they are merged, while a thread walks ahead of them
+    (up to `ahead_bytes`) asking the kernel to read them (open, `posix_fadvise(WILLNEED)`, close): members of a
+    real compaction are old files, mostly no longer in the page cache (at 1M shards the store is larger than this
+    machine's memory), and read one at a time each read waited for the disk. Asking for the read-ahead on this
+    thread cost ~36 us a member (the call queues the reads and waits for the block layer); the walking thread
+    needs the interpreter only a few us per member and hands nothing back: what it reads only warms the cache.
 
         with _Members(directory, batch) as members:
             for record, path, fd in members:   # fd None: the member is missing
-                ...
+                ...                            # read and close fd
 
-    What is read is what the member's file held when it was opened: checked against the log's size and sha256
-    as before, and the lock step still checks that the members are committed as they were (a member replaced
-    meanwhile is skipped, as before). Every file it opened is closed when the loop ends or is left."""
+    What is read is what the member's file holds when this thread opens it, checked against the log's size and
+    sha256 as before. Leaving the loop stops the walking thread (joined on exit)."""
 
-    def __init__(self, directory: str, batch: list[CommitRecord], ahead: int = READ_AHEAD,
-                 ahead_bytes: int = READ_AHEAD_BYTES) -> None:
-        self.directory, self.batch, self.ahead, self.ahead_bytes = directory, batch, max(ahead, 0), ahead_bytes
-        self.opened: dict[int, tuple[str, int | None]] = {}
+    def __init__(self, directory: str, batch: list[CommitRecord], ahead_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.batch, self.ahead_bytes = batch, ahead_bytes
+        self.paths = [os.path.join(directory, record.shard) for record in batch]
         self.flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        self.advise = getattr(os, "posix_fadvise", None)
+        self.position = 0
+        """The member being merged: the walking thread stays within `ahead_bytes` of its start."""
+        self.stopped = False
+        self.thread: threading.Thread | None = None
 
-    def _open(self, index: int) -> None:
-        record = self.batch[index]
-        path = os.path.join(self.directory, record.shard)
-        try:
-            fd: int | None = os.open(path, self.flags)
-        except FileNotFoundError:
-            fd = None
-        if fd is not None and self.advise is not None and self.ahead:
+    def _read_ahead(self) -> None:
+        advise, flags, batch, paths = os.posix_fadvise, self.flags, self.batch, self.paths
+        starts = [0]
+        for record in batch:
+            starts.append(starts[-1] + record.bytes)
+        for index in range(1, len(batch)):
+            while starts[index + 1] - starts[self.position] > self.ahead_bytes:
+                if self.stopped:
+                    return
+                time.sleep(READ_AHEAD_WAIT_S)
+            if self.stopped:
+                return
             try:
-                self.advise(fd, 0, record.bytes, os.POSIX_FADV_WILLNEED)
+                fd = os.open(paths[index], flags)
+            except OSError:
+                continue  # the merge reports it
+            try:
+                advise(fd, 0, batch[index].bytes, os.POSIX_FADV_WILLNEED)
             except OSError:
                 pass  # only a hint
-        self.opened[index] = (path, fd)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> _Members:
         return self
 
     def __iter__(self) -> Iterator[tuple[CommitRecord, str, int | None]]:
-        batch, opened = self.batch, self.opened
-        following = ahead_bytes = 0  # the next member to open; bytes opened and not yet read
-        for index, record in enumerate(batch):
-            following = max(following, index)
-            while following < len(batch) and (following == index or (
-                    following - index <= self.ahead and ahead_bytes + batch[following].bytes <= self.ahead_bytes)):
-                self._open(following)
-                ahead_bytes += batch[following].bytes
-                following += 1
-            ahead_bytes -= record.bytes
-            yield (record, *opened.pop(index))
+        if len(self.batch) > 1 and self.ahead_bytes > 0 and hasattr(os, "posix_fadvise"):
+            self.thread = threading.Thread(target=self._read_ahead, name="compact-read-ahead", daemon=True)
+            self.thread.start()
+        flags = self.flags
+        for index, (record, path) in enumerate(zip(self.batch, self.paths)):
+            self.position = index
+            try:
+                fd: int | None = os.open(path, flags)
+            except FileNotFoundError:
+                fd = None
+            yield record, path, fd
 
     def __exit__(self, *exc: object) -> None:
-        for _, fd in self.opened.values():
-            if fd is not None:
-                os.close(fd)
-        self.opened.clear()
+        self.stopped = True
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
 
 def _read_member(fd: int, size: int) -> bytes:
