@@ -84,6 +84,8 @@ READ_AHEAD_BYTES = 32 << 20
 """Members whose reading is asked of the kernel (`posix_fadvise(WILLNEED)`) up to this many bytes ahead of the one
 being merged (see `_Members`)."""
 READ_AHEAD_WAIT_S = 0.002
+WRITE_BACK_BYTES = 16 << 20
+"""While a merged file is written, its data is handed to the disk every this many bytes (see `_WriteBack`)."""
 UNLINK_THREADS = 16
 """Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
 OLD_WRITER_WINDOW = 64 << 10
@@ -448,6 +450,45 @@ class _Members:
             self.thread = None
 
 
+class _WriteBack:
+    """`fdatasync` of the merged file on a second thread every `WRITE_BACK_BYTES` written, so that the fsync before
+    the compaction record (still on the merging thread, still before the record) waits only for the last bytes
+    instead of the whole file (~50 ms a 128 MB file here, ~17 us a 36 kB member). An error of a background sync is
+    raised by `finish` (Linux reports a write-back error to one fsync of a file description only: the final fsync
+    could no longer see it). `close` waits for it in any case, before the file is closed."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.unsynced = 0
+        self.pool: ThreadPoolExecutor | None = None
+        self.job: Future[None] | None = None
+
+    def wrote(self, size: int) -> None:
+        self.unsynced += size
+        if self.unsynced >= WRITE_BACK_BYTES and (self.job is None or self.job.done()):
+            if self.job is not None:
+                self.finish()
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="compact-write-back")
+            self.job = self.pool.submit(os.fdatasync, self.fd)
+            self.unsynced = 0
+
+    def finish(self) -> None:
+        job, self.job = self.job, None
+        if job is not None:
+            job.result()
+
+    def close(self) -> None:
+        try:
+            if self.job is not None:
+                self.job.exception()  # waits; an error is `finish`'s to raise (here the merge failed already)
+        finally:
+            self.job = None
+            if self.pool is not None:
+                self.pool.shutdown()
+                self.pool = None
+
+
 def _read_member(fd: int, size: int) -> bytes:
     """The file's bytes, up to `size` + 1 (one more than the log says tells a longer file); the caller closes `fd`."""
     data = os.read(fd, size + 1)
@@ -473,6 +514,7 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
     def write(data: Any) -> None:
         digest.update(data)
         handle.write(data)
+        write_back.wrote(len(data))
 
     def checksum(data: bytes) -> str:
         return hashlib.sha256(data).hexdigest()
@@ -480,37 +522,43 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
     rows = 0
     with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher, \
             _Members(os.fspath(shards), batch) as members:
-        concat = ParquetConcat(handle, write)
-        for record, path, member in members:
-            if member is None:
-                return 0, f"shard {path}: missing", None
-            try:
-                data = _read_member(member, record.bytes)
-            finally:
-                os.close(member)
-            if len(data) != record.bytes:
-                return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-            corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
-            if len(data) < PARALLEL_HASH_BYTES:
-                if checksum(data) != record.sha256:
-                    return 0, corrupt, None
-                held = concat.add(data, str(path))
-            else:
-                check = hasher.submit(checksum, data)
+        write_back = _WriteBack(handle.fileno())
+        try:
+            concat = ParquetConcat(handle, write)
+            for record, path, member in members:
+                if member is None:
+                    return 0, f"shard {path}: missing", None
                 try:
+                    data = _read_member(member, record.bytes)
+                finally:
+                    os.close(member)
+                if len(data) != record.bytes:
+                    return 0, (f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} "
+                               "(truncated or overwritten)"), None
+                corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
+                if len(data) < PARALLEL_HASH_BYTES:
+                    if checksum(data) != record.sha256:
+                        return 0, corrupt, None
                     held = concat.add(data, str(path))
-                except ConcatRefused:
+                else:
+                    check = hasher.submit(checksum, data)
+                    try:
+                        held = concat.add(data, str(path))
+                    except ConcatRefused:
+                        if check.result() != record.sha256:
+                            return 0, corrupt, None
+                        raise
                     if check.result() != record.sha256:
                         return 0, corrupt, None
-                    raise
-                if check.result() != record.sha256:
-                    return 0, corrupt, None
-            if held != record.rows:
-                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
-            rows += held
-        concat.finish()
-        handle.flush()
-        os.fsync(handle.fileno())
+                if held != record.rows:
+                    return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+                rows += held
+            concat.finish()
+            handle.flush()
+            write_back.finish()
+            os.fsync(handle.fileno())
+        finally:
+            write_back.close()
     return rows, None, digest.hexdigest()
 
 
@@ -529,6 +577,7 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
     written: list[Any] = []
     directory = os.fspath(shards)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    write_back = _WriteBack(fd)
 
     def write() -> None:
         for piece in written:
@@ -536,6 +585,7 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
             view = memoryview(piece)
             while view:  # a short write goes on where it stopped
                 view = view[os.write(fd, view):]
+            write_back.wrote(len(piece))
         written.clear()
 
     try:
@@ -560,8 +610,10 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
                     write()
         merge.finish()
         write()
+        write_back.finish()
         os.fsync(fd)
     finally:
+        write_back.close()
         os.close(fd)
     return rows, None, digest.hexdigest()
 
