@@ -43,6 +43,7 @@ before stays served: the served state is keyed by shard name and row.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -189,19 +190,30 @@ def compact_run(
     report = CompactReport(run_id)
     start = time.perf_counter()
     removals = _Removals(store, run_id)
+    # No cyclic garbage collection while merging: the log's records (an object or more per shard, none of them
+    # garbage) are walked by every full collection, and each merged file's record moves thousands of them (~6% of
+    # the compaction's CPU at 100k shards, bench/RESULTS.md). What is allocated meanwhile (bytes, footers) is freed
+    # by reference counts. Process-wide, as run-api's start-up (factory/serve/service.py `_bulk_load`): other
+    # threads' cyclic garbage is only found after it.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
-        pending = [item for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
-                   if type(item) is not Block]
-        for batch in plan(pending, target_bytes, flush=flush):
-            how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
-            name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
-            if name and progress:
-                progress(f"{run_id}: merged {len(batch)} shards into {name}")
+        try:
+            # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
+            pending = [item for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
+                       if type(item) is not Block]
+            for batch in plan(pending, target_bytes, flush=flush):
+                how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
+                name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
+                if name and progress:
+                    progress(f"{run_id}: merged {len(batch)} shards into {name}")
+        finally:
+            removals.finish()
+        if report.shards >= MANIFEST_EVERY_LINES:
+            checkpoint(store, run_id)
     finally:
-        removals.finish()
-    if report.shards >= MANIFEST_EVERY_LINES:
-        checkpoint(store, run_id)
+        if collecting:
+            gc.enable()
     report.seconds = time.perf_counter() - start
     return report
 

@@ -480,3 +480,20 @@ def test_an_error_of_the_background_write_back_fails_the_merge(tmp_path, monkeyp
     monkeypatch.undo()
     assert ids(ShardStore(tmp_path), "r") == before
     assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
+
+
+def test_a_compaction_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    import gc
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    assert gc.isenabled()
+    compact_run(store, "r", target_bytes=1 << 30)
+    assert gc.isenabled()
+    fill(store, "r", 4, start=4)
+    gc.disable()
+    try:
+        compact_run(store, "r", target_bytes=1 << 30)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
