@@ -497,3 +497,22 @@ def test_a_compaction_leaves_the_garbage_collector_as_it_found_it(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("method", ["row_groups", "pages"])
+@pytest.mark.parametrize("change", ["truncated", "longer"])
+def test_a_member_of_another_size_is_found_and_its_batch_left_as_it_was(tmp_path, method, change):
+    """A longer file whose first bytes are the committed ones has the committed sha256 over those bytes: its size
+    must be checked too (one byte more than the record is read)."""
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    before = ids(store, "r")
+    path = tmp_path / "r" / "shards" / "w0-00000002.parquet"
+    data = path.read_bytes()
+    path.write_bytes(data[:-10] if change == "truncated" else data + b"\0" * 10)
+    report = compact_run(store, "r", target_bytes=1 << 30, method=method)
+    size = len(data) - 10 if change == "truncated" else len(data) + 10
+    assert report.files == [] and f"size is {size} bytes, commit log says {len(data)}" in report.skipped[0]
+    assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
+    path.write_bytes(data)
+    assert ids(ShardStore(tmp_path), "r") == before
