@@ -516,6 +516,21 @@ def _read_member(fd: int, size: int) -> bytes:
     return data
 
 
+def _member_bytes(member: int | None, record: CommitRecord, path: Any) -> tuple[bytes | None, str | None]:
+    """A member's bytes read from its open descriptor (closed here), or None and why it cannot be merged (missing,
+    or not the size its commit record says); the sha256 check is the caller's (one merge hashes on a thread)."""
+    if member is None:
+        return None, f"shard {path}: missing"
+    try:
+        data = _read_member(member, record.bytes)
+        size = len(data) if len(data) <= record.bytes else os.fstat(member).st_size
+    finally:
+        os.close(member)
+    if size != record.bytes:
+        return None, f"shard {path}: size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)"
+    return data, None
+
+
 def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
     """Write the members' row groups, in order and as they are, to `tmp`; (rows, None, sha256 of `tmp`) or
     (0, why a member cannot be merged, None). Raises `ConcatRefused` where they cannot be copied as they are.
@@ -542,15 +557,9 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
         try:
             concat = ParquetConcat(handle, write)
             for record, path, member in members:
-                if member is None:
-                    return 0, f"shard {path}: missing", None
-                try:
-                    data = _read_member(member, record.bytes)
-                    size = len(data) if len(data) <= record.bytes else os.fstat(member).st_size
-                finally:
-                    os.close(member)
-                if size != record.bytes:
-                    return 0, f"shard {path}: size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+                data, problem = _member_bytes(member, record, path)
+                if data is None:
+                    return 0, problem, None
                 corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
                 if len(data) < PARALLEL_HASH_BYTES:
                     if checksum(data) != record.sha256:
@@ -608,15 +617,9 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
         merge = PageMerge(written.append, row_group_groups)
         with _Members(directory, batch) as members:
             for record, path, member in members:
-                if member is None:
-                    return 0, f"shard {path}: missing", None
-                try:
-                    data = _read_member(member, record.bytes)
-                    size = len(data) if len(data) <= record.bytes else os.fstat(member).st_size
-                finally:
-                    os.close(member)
-                if size != record.bytes:
-                    return 0, f"shard {path}: size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
+                data, problem = _member_bytes(member, record, path)
+                if data is None:
+                    return 0, problem, None
                 if hashlib.sha256(data).hexdigest() != record.sha256:
                     return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
                 held = merge.add(data, path)
