@@ -144,7 +144,9 @@ def test_a_budgeted_refresh_indexes_newest_shards_first_and_keeps_commit_order(s
     assert index.frame["policy_version"].to_list() == [0] * 20 + [1] * 20 + [2] * 20
 
 
-def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch):
+@pytest.fixture
+def stats_reads(monkeypatch) -> list[str]:
+    """Names of the stats files read (Path.read_text) from here on, in order."""
     from pathlib import Path
 
     reads: list[str] = []
@@ -156,6 +158,11 @@ def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch)
         return read_text(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", counted)
+    return reads
+
+
+def test_stats_files_are_read_again_only_when_new_or_changed(store, stats_reads):
+    reads = stats_reads
     index = RunIndex(store, "run-1")
     index.refresh()
     assert sorted(reads) == [f"stats-datagen-{chunk:08d}.json" for chunk in range(3)]
@@ -176,7 +183,7 @@ def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch)
     assert (0 not in {chunk for _, chunk in index.chunk_stats}) and index.drops()["kept"] == 7 + 20 + 5
 
 
-def test_drops_and_flow_runs_are_the_same_after_folding_and_a_segment_is_read_once(store, monkeypatch):
+def test_drops_and_flow_runs_are_the_same_after_folding_and_a_segment_is_read_once(store, stats_reads):
     from pathlib import Path
 
     from factory.chunk_stats import fold, segment_name, write_segment
@@ -184,15 +191,7 @@ def test_drops_and_flow_runs_are_the_same_after_folding_and_a_segment_is_read_on
     fresh = RunIndex(store, "run-1")
     fresh.refresh()
     before = (fresh.drops(), fresh.flow_runs(), dict(fresh.chunk_stats))
-    reads: list[str] = []
-    read_text = Path.read_text
-
-    def counted(self, *args, **kwargs):
-        if self.name.startswith("stats-"):
-            reads.append(self.name)
-        return read_text(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "read_text", counted)
+    reads, read_text = stats_reads, Path.read_text  # (reads before `reads.clear()` below are not asserted on)
     index = RunIndex(store, "run-1")
     index.refresh()
     chunks = {k: json.loads(read_text(store.run_dir("run-1") / f"stats-datagen-{k:08d}.json")) for k in (0, 1)}
