@@ -7,7 +7,7 @@
   its last line giving the true numbers.
 - On start-up, what a killed or failed process left is removed: hidden temporary files of this producer's run
   files and shards (after finishing commits whose record is durable), and chunk stats files whose chunk was
-  never committed.
+  never committed (folded segments of chunk stats hold committed chunks only and are kept).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from factory.chunk_stats import parse_name
 from factory.cli_errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -156,8 +157,9 @@ def check_outcome(summary: dict[str, Any]) -> None:
 # ---- start-up cleanup ---------------------------------------------------------------------------------------------
 
 def _stats_chunk(name: str, producer: str) -> int | None:
-    match = re.fullmatch(rf"stats-{re.escape(producer)}-(\d{{8}})\.json", name)
-    return int(match.group(1)) if match else None
+    """The chunk of `producer`'s per-chunk stats file `name`; None for any other name (a segment included)."""
+    parsed = parse_name(name)
+    return parsed[2] if parsed is not None and parsed[0] == "chunk" and parsed[1] == producer else None
 
 
 def clean_start(store: Any, run_id: str, producer: str) -> list[str]:
@@ -177,7 +179,8 @@ def clean_start(store: Any, run_id: str, producer: str) -> list[str]:
     removed: list[str] = []
     shard_tmp = re.compile(rf"\.{re.escape(producer)}-\d{{8}}\.parquet\.[0-9a-f]+\.tmp")
     own_files = ("stats-", "config-", "curriculum-", "discarded-")
-    run_tmp = re.compile(rf"\.(?:{'|'.join(own_files)}){re.escape(producer)}(?:-\d{{8}})?\.(?:json|yaml)\.[0-9a-f]+\.tmp")
+    run_tmp = re.compile(rf"\.(?:{'|'.join(own_files)}){re.escape(producer)}(?:-\d{{8}}|\.chunks-\d{{8}}-\d{{8}})?"
+                         rf"\.(?:json|yaml)\.[0-9a-f]+\.tmp")
     records = store.committed(run_id)
     shards = store.shards_dir(run_id)  # an object store's (a key prefix) holds no temporary objects
     for path in list(shards.glob(".*.tmp")) if isinstance(shards, Path) and shards.is_dir() else []:

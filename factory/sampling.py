@@ -13,9 +13,10 @@ Exactly-once: chunk k is always items `[k*c, (k+1)*c)` and its items are a pure 
 the curriculum plan, and the plan for chunk k is the curriculum state after the committed chunks
 `<= k - chunks_in_flight` (the flow commits chunks in order, and with `chunks_in_flight` d, chunks up to
 k - d are committed when chunk k is drawn). On resume the state is rebuilt by replaying the committed chunks'
-outcomes from their stats files, so a rerun draws exactly the items an uninterrupted run would have drawn,
-commits nothing twice and leaves no gap. (Changing `chunks_in_flight` between a run and its rerun changes the
-plan lag, hence the levels of later chunks; nothing is duplicated either way.)
+outcomes from their stats (per-chunk files and folded segments: factory/chunk_stats.py), so a rerun draws
+exactly the items an uninterrupted run would have drawn, commits nothing twice and leaves no gap. (Changing
+`chunks_in_flight` between a run and its rerun changes the plan lag, hence the levels of later chunks; nothing is
+duplicated either way.)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from factory.chunk_stats import Restore, gc_paused
+from factory.chunk_stats import chunk_stats_name as chunk_stats_name  # where it was defined before
 from factory.curriculum import Curriculum, CurriculumSettings, ItemOutcome
 from factory.store import ShardStore
 
@@ -34,10 +37,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ITEMS_PER_GROUP = 10
 """`max_items` defaults to this many items per target group."""
-
-
-def chunk_stats_name(producer: str, chunk: int) -> str:
-    return f"stats-{producer}-{chunk:08d}.json"
 
 
 def curriculum_state_name(producer: str) -> str:
@@ -61,7 +60,10 @@ class DynamicSampling:
 
     def __init__(self, store: ShardStore, *, run_id: str, producer: str, chunk_items: int, total_items: int,
                  target_groups: int | None = None, max_items: int | None = None, chunks_in_flight: int = 1,
-                 curriculum: Curriculum | None = None, solved: Callable[[Any, float], bool] | None = None) -> None:
+                 curriculum: Curriculum | None = None, solved: Callable[[Any, float], bool] | None = None,
+                 chunk_stats: Restore | None = None) -> None:
+        """`chunk_stats`: the producer's chunk stats to replay (`factory.chunk_stats.Restore`; made here when not
+        given), streamed, not kept."""
         self.store, self.run_id, self.producer = store, run_id, producer
         self.chunk_items = chunk_items
         self.target = target_groups
@@ -80,18 +82,33 @@ class DynamicSampling:
         self.committed_chunks = {r.chunk for r in records}
         self.committed_groups = sum(r.rows for r in records)
         self.committed_items = 0
-        for record in sorted(records, key=lambda r: r.chunk):
-            stats = self._read_stats(record.chunk)
-            self.committed_items += int(stats.get("items", self._chunk_len(record.chunk)))
-            if curriculum is not None:
-                outcomes = [ItemOutcome.from_list(row) for row in stats.get("curriculum", [])]
-                curriculum.apply(record.chunk, outcomes, stats.get("groups_kept_by_family"))
-                self._plans[record.chunk] = curriculum.plan()
+        self._trimmed_committed = 0
+        restore = chunk_stats if chunk_stats is not None else Restore(store.run_dir(run_id), producer)
+        order, pending, done = sorted(self.committed_chunks), {}, 0
+        with gc_paused():  # replayed in chunk order as the stats stream in (segments and files are mostly in order)
+            for chunk, stats in restore:
+                if chunk not in self.committed_chunks:
+                    continue
+                pending[chunk] = stats
+                while done < len(order) and order[done] in pending:
+                    self._replay(order[done], pending.pop(order[done]))
+                    done += 1
+            for chunk in order[done:]:  # committed chunks without stats (count by chunk length), and any held back
+                self._replay(chunk, pending.pop(chunk, {}))
         self.restored_chunks = len(records)
         if records:
             self.save_curriculum()  # a kill between a commit and its state write left the file one chunk behind
         self._next = 0
         self._fixed_todo = [k for k in range(self.n_chunks) if k not in self.committed_chunks] if self.target is None else []
+
+    def _replay(self, chunk: int, stats: dict[str, Any]) -> None:
+        """Restore one committed chunk from its stats: items, trimming, the curriculum's outcomes and plan."""
+        self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
+        self.committed_items += int(stats.get("items", self._chunk_len(chunk)))
+        if self.curriculum is not None:
+            outcomes = [ItemOutcome.from_list(row) for row in stats.get("curriculum", [])]
+            self.curriculum.apply(chunk, outcomes, stats.get("groups_kept_by_family"))
+            self._plans[chunk] = self.curriculum.plan()
 
     # ---- sizing ----
     @property
@@ -104,10 +121,6 @@ class DynamicSampling:
 
     def indices(self, chunk: int) -> range:
         return range(chunk * self.chunk_items, min((chunk + 1) * self.chunk_items, self.max_items))
-
-    def _read_stats(self, chunk: int) -> dict[str, Any]:
-        path = self.store.run_dir(self.run_id) / chunk_stats_name(self.producer, chunk)
-        return json.loads(path.read_text()) if path.is_file() else {}
 
     def target_reached(self) -> bool:
         return self.target is not None and self.committed_groups >= self.target
@@ -177,6 +190,7 @@ class DynamicSampling:
         self.committed_chunks.add(chunk)
         self.committed_groups += int(stats["groups_kept"])
         self.committed_items += int(stats["items"])
+        self._trimmed_committed += int(stats.get("trimmed_over_target", 0))
         if self.curriculum is None:
             return []
         moves = self.curriculum.apply(chunk, [ItemOutcome.from_list(r) for r in stats.get("curriculum", [])],
@@ -214,7 +228,8 @@ class DynamicSampling:
         return out
 
     def trimmed_total(self) -> int:
-        return sum(int(self._read_stats(k).get("trimmed_over_target", 0)) for k in sorted(self.committed_chunks))
+        """Groups trimmed over the target, over every committed chunk of the run (restored ones and this session's)."""
+        return self._trimmed_committed
 
 
 def make_curriculum(settings: CurriculumSettings, env: Any, *, start_level: int | None = None) -> Curriculum | None:

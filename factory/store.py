@@ -994,7 +994,9 @@ class ShardStore:
             return None
         return self.shards_dir(run_id) / record.physical, record.row_offset, record.rows
 
-    def _read_log(self, run_id: str) -> _LogTail:
+    def _read_log(self, run_id: str, *, checkpoint: bool = True) -> _LogTail:
+        """The run's log as parsed so far, read on from where this store left it; `checkpoint=False`: never save
+        the manifest here (a compaction reads the log once per merged file and saves it once at its end)."""
         log_path = self.commit_log(run_id)
         try:
             stat = log_path.stat()
@@ -1025,7 +1027,7 @@ class ShardStore:
                     logger.warning("%s:%d: ignoring a torn last line (crash during append)", log_path, cached.lines + 1)
                 grown = cached.lines - cached.checkpoint_lines >= max(MANIFEST_EVERY_LINES, cached.checkpoint_lines // 4)
                 moved = len(cached.changed) - cached.checkpoint_changes
-                if grown or moved >= max(MANIFEST_EVERY_LINES, len(cached.records) // 4):
+                if checkpoint and (grown or moved >= max(MANIFEST_EVERY_LINES, len(cached.records) // 4)):
                     # a few compaction lines that moved many shards count too: the next start-up loads the records
                     # as they stand instead of applying every member of those lines again
                     save_manifest(self.manifest_path(run_id), cached)

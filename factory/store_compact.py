@@ -43,12 +43,14 @@ before stays served: the served state is keyed by shard name and row.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -79,6 +81,13 @@ and exports ran 5-8x slower (bench/RESULTS.md)."""
 METHODS = ("row_groups", "pages", "decode")
 PARALLEL_HASH_BYTES = 1 << 20
 """Members this large are checked against their sha256 on a second thread while they are copied."""
+READ_AHEAD_BYTES = 32 << 20
+"""Members whose reading is asked of the kernel (`posix_fadvise(WILLNEED)`) up to this many bytes ahead of the one
+being merged (see `_Members`)."""
+READ_AHEAD_WAIT_S = 0.01
+"""How long the read-ahead thread sleeps when it is `READ_AHEAD_BYTES` ahead (32 MB are ~0.15 s of merging)."""
+WRITE_BACK_BYTES = 16 << 20
+"""While a merged file is written, its data is handed to the disk every this many bytes (see `_WriteBack`)."""
 UNLINK_THREADS = 16
 """Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
 OLD_WRITER_WINDOW = 64 << 10
@@ -182,18 +191,30 @@ def compact_run(
     report = CompactReport(run_id)
     start = time.perf_counter()
     removals = _Removals(store, run_id)
+    # No cyclic garbage collection while merging: the log's records (an object or more per shard, none of them
+    # garbage) are walked by every full collection, and each merged file's record moves thousands of them (~6% of
+    # the compaction's CPU at 100k shards, bench/RESULTS.md). What is allocated meanwhile (bytes, footers) is freed
+    # by reference counts. Process-wide, as run-api's start-up (factory/serve/service.py `_bulk_load`): other
+    # threads' cyclic garbage is only found after it.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
-        pending = [item for item in store._read_log(run_id).records.items_in_order() if type(item) is not Block]
-        for batch in plan(pending, target_bytes, flush=flush):
-            how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
-            name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
-            if name and progress:
-                progress(f"{run_id}: merged {len(batch)} shards into {name}")
+        try:
+            # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
+            pending = [item for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
+                       if type(item) is not Block]
+            for batch in plan(pending, target_bytes, flush=flush):
+                how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
+                name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
+                if name and progress:
+                    progress(f"{run_id}: merged {len(batch)} shards into {name}")
+        finally:
+            removals.finish()
+        if report.shards >= MANIFEST_EVERY_LINES:
+            checkpoint(store, run_id)
     finally:
-        removals.finish()
-    if report.shards >= MANIFEST_EVERY_LINES:
-        checkpoint(store, run_id)
+        if collecting:
+            gc.enable()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -258,7 +279,10 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
         if summary is not None:
             record["index"] = summary
         with store._locked(run_id):
-            current = store._read_log(run_id).records  # not `committed`: a copy of the whole history per file
+            # not `committed`: a copy of the whole history per file; and no manifest saved per merged file (each
+            # record moves thousands of shards, so the store's rule would save one every few files: ~50 us per
+            # shard of the compaction's time on 20k shards); `checkpoint` saves it once at the end
+            current = store._read_log(run_id, checkpoint=False).records
             changed = [r.shard for r in batch if current.get(r.shard) != r]
             if changed:
                 report.skipped.append(f"{len(changed)} shards (first {changed[0]}) were replaced while being merged")
@@ -369,6 +393,144 @@ class _Removals:
             self.removed = False
 
 
+class _Members:
+    """The members of a batch, in order, opened one at a time as they are merged, while a thread walks ahead of them
+    (up to `ahead_bytes`) asking the kernel to read them (open, `posix_fadvise(WILLNEED)`, close): members of a
+    real compaction are old files, mostly no longer in the page cache (at 1M shards the store is larger than this
+    machine's memory), and read one at a time each read waited for the disk. Asking for the read-ahead on this
+    thread cost ~36 us a member (the call queues the reads and waits for the block layer); the walking thread
+    needs the interpreter only a few us per member and hands nothing back: what it reads only warms the cache.
+
+        with _Members(directory, batch) as members:
+            for record, path, fd in members:   # fd None: the member is missing
+                ...                            # read and close fd
+
+    What is read is what the member's file holds when this thread opens it, checked against the log's size and
+    sha256 as before. Leaving the loop stops the walking thread (joined on exit)."""
+
+    def __init__(self, directory: str, batch: list[CommitRecord], ahead_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.batch, self.ahead_bytes = batch, ahead_bytes
+        self.paths = [os.path.join(directory, record.shard) for record in batch]
+        self.flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        self.position = 0
+        """The member being merged: the walking thread stays within `ahead_bytes` of its start."""
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+
+    def _read_ahead(self) -> None:
+        advise, flags, batch, paths = os.posix_fadvise, self.flags, self.batch, self.paths
+        starts = [0]
+        for record in batch:
+            starts.append(starts[-1] + record.bytes)
+        for index in range(1, len(batch)):
+            # the member after the one being merged is always asked for (even one larger than `ahead_bytes`)
+            while index > self.position + 1 and starts[index + 1] - starts[self.position] > self.ahead_bytes:
+                if self.stopped:
+                    return
+                time.sleep(READ_AHEAD_WAIT_S)
+            if self.stopped:
+                return
+            if index <= self.position:
+                continue  # the merge got there first
+            try:
+                fd = os.open(paths[index], flags)
+            except OSError:
+                continue  # the merge reports it
+            try:
+                advise(fd, 0, batch[index].bytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only a hint
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> _Members:
+        return self
+
+    def __iter__(self) -> Iterator[tuple[CommitRecord, str, int | None]]:
+        if len(self.batch) > 1 and self.ahead_bytes > 0 and hasattr(os, "posix_fadvise"):
+            self.thread = threading.Thread(target=self._read_ahead, name="compact-read-ahead", daemon=True)
+            self.thread.start()
+        flags = self.flags
+        for index, (record, path) in enumerate(zip(self.batch, self.paths)):
+            self.position = index
+            try:
+                fd: int | None = os.open(path, flags)
+            except FileNotFoundError:
+                fd = None
+            yield record, path, fd
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped = True
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+class _WriteBack:
+    """`fdatasync` of the merged file on a second thread every `WRITE_BACK_BYTES` written, so that the fsync before
+    the compaction record (still on the merging thread, still before the record) waits only for the last bytes
+    instead of the whole file (~50 ms a 128 MB file here, ~17 us a 36 kB member). An error of a background sync is
+    raised by `finish` (Linux reports a write-back error to one fsync of a file description only: the final fsync
+    could no longer see it). `close` waits for it in any case, before the file is closed."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.unsynced = 0
+        self.pool: ThreadPoolExecutor | None = None
+        self.job: Future[None] | None = None
+
+    def wrote(self, size: int) -> None:
+        self.unsynced += size
+        if self.unsynced >= WRITE_BACK_BYTES and (self.job is None or self.job.done()):
+            if self.job is not None:
+                self.finish()
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="compact-write-back")
+            self.job = self.pool.submit(os.fdatasync, self.fd)
+            self.unsynced = 0
+
+    def finish(self) -> None:
+        job, self.job = self.job, None
+        if job is not None:
+            job.result()
+
+    def close(self) -> None:
+        try:
+            if self.job is not None:
+                self.job.exception()  # waits; an error is `finish`'s to raise (here the merge failed already)
+        finally:
+            self.job = None
+            if self.pool is not None:
+                self.pool.shutdown()
+                self.pool = None
+
+
+def _read_member(fd: int, size: int) -> bytes:
+    """The file's bytes, up to `size` + 1 (one more than the log says tells a longer file); the caller closes `fd`."""
+    data = os.read(fd, size + 1)
+    while len(data) <= size:  # a short read (large files, some filesystems): read on
+        more = os.read(fd, size + 1 - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _member_bytes(member: int | None, record: CommitRecord, path: Any) -> tuple[bytes | None, str | None]:
+    """A member's bytes read from its open descriptor (closed here), or None and why it cannot be merged (missing,
+    or not the size its commit record says); the sha256 check is the caller's (one merge hashes on a thread)."""
+    if member is None:
+        return None, f"shard {path}: missing"
+    try:
+        data = _read_member(member, record.bytes)
+        size = len(data) if len(data) <= record.bytes else os.fstat(member).st_size
+    finally:
+        os.close(member)
+    if size != record.bytes:
+        return None, f"shard {path}: size is {size} bytes, commit log says {record.bytes} (truncated or overwritten)"
+    return data, None
+
+
 def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
     """Write the members' row groups, in order and as they are, to `tmp`; (rows, None, sha256 of `tmp`) or
     (0, why a member cannot be merged, None). Raises `ConcatRefused` where they cannot be copied as they are.
@@ -383,43 +545,45 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
     def write(data: Any) -> None:
         digest.update(data)
         handle.write(data)
+        write_back.wrote(len(data))
 
     def checksum(data: bytes) -> str:
         return hashlib.sha256(data).hexdigest()
 
     rows = 0
-    with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher:
-        concat = ParquetConcat(handle, write)
-        for record in batch:
-            path = shards / record.shard
-            try:
-                with open(path, "rb") as member:
-                    data = member.read()
-            except FileNotFoundError:
-                return 0, f"shard {path}: missing", None
-            if len(data) != record.bytes:
-                return 0, f"shard {path}: size is {len(data)} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-            corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
-            if len(data) < PARALLEL_HASH_BYTES:
-                if checksum(data) != record.sha256:
-                    return 0, corrupt, None
-                held = concat.add(data, str(path))
-            else:
-                check = hasher.submit(checksum, data)
-                try:
+    with open(tmp, "wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="compact-hash") as hasher, \
+            _Members(os.fspath(shards), batch) as members:
+        write_back = _WriteBack(handle.fileno())
+        try:
+            concat = ParquetConcat(handle, write)
+            for record, path, member in members:
+                data, problem = _member_bytes(member, record, path)
+                if data is None:
+                    return 0, problem, None
+                corrupt = f"shard {path}: sha256 differs from the commit log (corrupt)"
+                if len(data) < PARALLEL_HASH_BYTES:
+                    if checksum(data) != record.sha256:
+                        return 0, corrupt, None
                     held = concat.add(data, str(path))
-                except ConcatRefused:
+                else:
+                    check = hasher.submit(checksum, data)
+                    try:
+                        held = concat.add(data, str(path))
+                    except ConcatRefused:
+                        if check.result() != record.sha256:
+                            return 0, corrupt, None
+                        raise
                     if check.result() != record.sha256:
                         return 0, corrupt, None
-                    raise
-                if check.result() != record.sha256:
-                    return 0, corrupt, None
-            if held != record.rows:
-                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
-            rows += held
-        concat.finish()
-        handle.flush()
-        os.fsync(handle.fileno())
+                if held != record.rows:
+                    return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+                rows += held
+            concat.finish()
+            handle.flush()
+            write_back.finish()
+            os.fsync(handle.fileno())
+        finally:
+            write_back.close()
     return rows, None, digest.hexdigest()
 
 
@@ -437,8 +601,8 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
     rows = 0
     written: list[Any] = []
     directory = os.fspath(shards)
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    write_back = _WriteBack(fd)
 
     def write() -> None:
         for piece in written:
@@ -446,39 +610,30 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
             view = memoryview(piece)
             while view:  # a short write goes on where it stopped
                 view = view[os.write(fd, view):]
+            write_back.wrote(len(piece))
         written.clear()
 
     try:
         merge = PageMerge(written.append, row_group_groups)
-        for record in batch:
-            path = os.path.join(directory, record.shard)
-            try:
-                member = os.open(path, flags)
-            except FileNotFoundError:
-                return 0, f"shard {path}: missing", None
-            try:
-                data = os.read(member, record.bytes + 1)
-                while len(data) <= record.bytes:  # a short read (large files, some filesystems): read on
-                    more = os.read(member, record.bytes + 1 - len(data))
-                    if not more:
-                        break
-                    data += more
-            finally:
-                os.close(member)
-            if len(data) != record.bytes:
-                return 0, f"shard {path}: size is {os.stat(path).st_size} bytes, commit log says {record.bytes} (truncated or overwritten)", None
-            if hashlib.sha256(data).hexdigest() != record.sha256:
-                return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
-            held = merge.add(data, path)
-            if held != record.rows:
-                return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
-            rows += held
-            if written:
-                write()
+        with _Members(directory, batch) as members:
+            for record, path, member in members:
+                data, problem = _member_bytes(member, record, path)
+                if data is None:
+                    return 0, problem, None
+                if hashlib.sha256(data).hexdigest() != record.sha256:
+                    return 0, f"shard {path}: sha256 differs from the commit log (corrupt)", None
+                held = merge.add(data, path)
+                if held != record.rows:
+                    return 0, f"shard {path} holds {held} rows, commit log says {record.rows}", None
+                rows += held
+                if written:
+                    write()
         merge.finish()
         write()
+        write_back.finish()
         os.fsync(fd)
     finally:
+        write_back.close()
         os.close(fd)
     return rows, None, digest.hexdigest()
 

@@ -27,6 +27,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 
@@ -41,6 +43,10 @@ from factory.store_object import ObjectShardStore
 
 logger = logging.getLogger(__name__)
 
+GET_THREADS = 8
+"""Member objects fetched at once while a batch is merged (see `_members`)."""
+GET_AHEAD = 32
+"""Member GETs requested ahead of the member being merged."""
 KEEP_MEMBERS_S = 3600.0
 """Seconds the member shard objects of a compaction are kept after its record (for readers that listed before)."""
 
@@ -73,23 +79,54 @@ def compact_object_run(
     return report
 
 
+def _get(store: ObjectShardStore, path: str) -> bytes:
+    with store.fs.open_input_stream(path) as handle:
+        return handle.read()
+
+
+def _members(store: ObjectShardStore, run_id: str, batch: list[CommitRecord],
+             pool: ThreadPoolExecutor) -> Iterator[tuple[CommitRecord, str, Future[bytes]]]:
+    """The batch's members in order, each with its GET, up to `GET_AHEAD` of them requested ahead of the one
+    being merged: a GET mostly waits for the store (one request per member made the compaction request-bound)."""
+    paths = [store.shard_path(run_id, record.shard) for record in batch]
+    gets = [pool.submit(_get, store, path) for path in paths[:GET_AHEAD]]
+    for index, record in enumerate(batch):
+        if index + GET_AHEAD < len(batch):
+            gets.append(pool.submit(_get, store, paths[index + GET_AHEAD]))
+        yield record, paths[index], gets[index]
+
+
 def _merge(store: ObjectShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int,
            report: CompactReport) -> None:
+    pool = ThreadPoolExecutor(GET_THREADS, thread_name_prefix="compact-get")
+    try:
+        merged = _read_members(store, run_id, batch, report, pool)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a batch left early: the GETs not started are dropped
+    if merged is not None:
+        _write(store, run_id, batch, row_group_groups, report, merged)
+
+
+def _read_members(store: ObjectShardStore, run_id: str, batch: list[CommitRecord], report: CompactReport,
+                  pool: ThreadPoolExecutor) -> pa.Table | None:
+    """The members' rows, each member checked against its record; None (and why in `report`) if one fails."""
     tables = []
-    for record in batch:
-        path = store.shard_path(run_id, record.shard)
+    for record, path, get in _members(store, run_id, batch, pool):
         try:
-            with store.fs.open_input_stream(path) as handle:
-                data = handle.read()
+            data = get.result()
         except OSError as error:
             report.skipped.append(f"shard {path} is unreadable: {error}")
-            return
+            return None
         if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
             report.skipped.append(f"shard {path} does not match its record (size or sha256)")
             logger.error("run %s: shard %s does not match its record; its batch is left as it is", run_id, path)
-            return
+            return None
         tables.append(pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read(use_threads=False))
-    merged = pa.concat_tables(tables).cast(GROUP_SCHEMA)
+    return pa.concat_tables(tables).cast(GROUP_SCHEMA)
+
+
+def _write(store: ObjectShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int,
+           report: CompactReport, merged: pa.Table) -> None:
     sink = pa.BufferOutputStream()
     pq.write_table(merged, sink, row_group_size=row_group_groups, write_page_checksum=True, **PARQUET_OPTIONS)
     data = sink.getvalue()

@@ -6,6 +6,15 @@ the viewer's first page, the compaction (128 MB files), the viewer's first page 
 
     python -m bench.shards.compact_ab --shards 20000 --a /tmp/old-tree --b . --rounds 2
     python -m bench.shards.compact_ab --smoke         # 300 shards, this tree against itself, 1 round
+    python -m bench.shards.compact_ab --preset rl --shards 2000 --a /tmp/old-tree --b .
+
+Shard presets (`--preset`; `--groups-per-shard`, `--group-size`, `--seq-len` override them):
+- tiny (default, issue 34's bench): 10 groups of 4 x 64 tokens, ~35 kB a shard (bench.shards.scale);
+- rl: 8 groups of 8 x 1024 tokens, ~640 kB (the RL loop's chunk of 8 problems, factory/train/rl_plan.py, with
+  bench.serve's groups of 8 x 1024 tokens);
+- datagen: 100 groups of 16 x 320 tokens, ~4.9 MB (factory/datagen/config.py's chunk of 100 items, the envs'
+  default group_size 16 and max_tokens 256 after a 64-token prompt).
+Shards under 1 MB are page-merged, larger ones have their row groups copied (store_compact.COPY_MIN_SHARD_BYTES).
 
 Rounds alternate the order (A,B then B,A). Viewer: a new `RunIndex` refreshed with the viewer's 0.5 s budget
 and the first 50 rows read (as bench.shards.scale), plus the CPU seconds of reading the run's log (the part that
@@ -61,14 +70,38 @@ def _run(tree: str, script: str, root: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def trial(tree: str, root: Path, shards: int) -> dict:
-    from bench.shards.scale import build_store
+PRESETS = {"tiny": (10, 4, 64), "rl": (8, 8, 1024), "datagen": (100, 16, 320)}
+"""(groups per shard, sequences per group, tokens per sequence)."""
+
+
+def evict(directory: Path) -> int:
+    """Drop the page cache of every file in `directory` (written back first by `sync`): the members of a real
+    compaction are old files, and at 1M shards (35 GB) they no longer fit this machine's 23 GB of memory."""
+    count = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            count += 1
+    return count
+
+
+def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRESETS["tiny"], cold: bool = False) -> dict:
+    from bench.shards.scale import RUN
+    from factory.store import ShardStore
+    from factory.synthetic_store import build_store
 
     shutil.rmtree(root, ignore_errors=True)
-    build_store(root, shards)
+    groups, size, tokens = shape
+    build_store(root, RUN, shards, groups_per_shard=groups, group_size=size, seq_len=tokens, env="bench")
     os.sync()
     load = os.getloadavg()[0]
     before = _run(tree, _VIEWER, root)
+    if cold:
+        evict(ShardStore(root).shards_dir(RUN))
     compacted = _run(tree, _COMPACT, root)
     after = _run(tree, _VIEWER, root)
     shutil.rmtree(root, ignore_errors=True)
@@ -83,10 +116,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--b", default=".", help="code tree B")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default=None, help="scratch directory (the store is removed after each trial)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="shard shape (see above)")
+    parser.add_argument("--groups-per-shard", type=int, default=None)
+    parser.add_argument("--group-size", type=int, default=None, help="sequences per group")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the members' page cache before compacting (as at 1M shards, which outgrow memory)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shards, args.rounds = 300, 1
+    shape = tuple(given if given is not None else default for given, default in
+                  zip((args.groups_per_shard, args.group_size, args.seq_len), PRESETS[args.preset]))
+    print(f"# {args.shards} shards of {shape[0]} groups of {shape[1]} x {shape[2]} tokens"
+          + (", members evicted from the page cache before compacting" if args.cold else ""))
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="compact-ab-"))
     root = scratch / f"store-{args.shards}"
     results: dict[str, list[dict]] = {"A": [], "B": []}
@@ -96,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(args.rounds):
         order = (("A", args.a), ("B", args.b)) if round_ % 2 == 0 else (("B", args.b), ("A", args.a))
         for label, tree in order:
-            r = trial(tree, root, args.shards)
+            r = trial(tree, root, args.shards, shape, args.cold)
             results[label].append(r)
             b, c, a = r["before"], r["compact"], r["after"]
             print(f"| {label}{round_ + 1} | {r['at']} | {r['load']:.2f} -> {r['load_end']:.2f} | {c['mb_per_s']:.1f} | "
@@ -105,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     for label in ("A", "B"):
         runs = results[label]
         print(f"# {label}: median compaction {statistics.median(r['compact']['mb_per_s'] for r in runs):.1f} MB/s "
-              f"({runs[0]['compact']['mb']:.0f} MB, {args.shards} shards), viewer page after "
+              f"({runs[0]['compact']['mb']:.0f} MB, {args.shards} shards of {runs[0]['compact']['mb'] * 1e3 / args.shards:.0f} kB), viewer page after "
               f"{statistics.median(r['after']['page_s'] for r in runs):.2f} s, log CPU after "
               f"{statistics.median(r['after']['log_cpu_s'] for r in runs):.3f} s")
     if not args.dir:

@@ -3,7 +3,7 @@
 `ChunksInFlight` is the window of chunks submitted and not yet committed;
 `ChunkCommitter` is what committing one chunk means (admission against the
 target, the chunk's stats file, the shard, the sampler's and curriculum's
-state, session counters). Both are plain and tested without Prefect.
+state, folding the stats files into segments, session counters). Both are plain and tested without Prefect.
 `DatagenRun` ties them to one flow run: run ownership and stop signals
 (`RunOps`), backpressure, progress line and artifacts, and the run's outcome.
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from environments.base import EnvSpec, load_env
+from factory.chunk_stats import Folder, Restore, chunk_stats_name
 from factory.config import to_yaml
 from factory.datagen.backpressure import Backpressure
 from factory.datagen.config import JobConfig, job_config_model
@@ -30,7 +31,7 @@ from factory.datagen.store import open_datagen_store, run_location
 from factory.datagen.summary import summarize
 from factory.prefect_outage import best_effort
 from factory.run_outcome import count_discarded, forget_stats, read_discarded, target_missed_message, whole_run_totals
-from factory.sampling import DynamicSampling, chunk_stats_name, make_curriculum
+from factory.sampling import DynamicSampling, make_curriculum
 from factory.store import ShardStore
 
 WriteShard = Callable[[str, str, str, int, Any], Any]
@@ -82,12 +83,15 @@ class ChunkCommitter:
     """Commits chunks of groups in order: admit, stats file, shard, sampler/curriculum state, session counters."""
 
     def __init__(self, store: ShardStore, *, root: str, run_id: str, producer: str, sampler: DynamicSampling,
-                 write_shard: WriteShard, flow_run_id: str | None = None, backpressure: Backpressure | None = None):
+                 write_shard: WriteShard, flow_run_id: str | None = None, backpressure: Backpressure | None = None,
+                 folder: Folder | None = None):
         self.store, self.root, self.run_id, self.producer = store, root, run_id, producer
         self.sampler = sampler
         self.write_shard = write_shard
         self.flow_run_id = flow_run_id
         self.backpressure = backpressure
+        self.folder = folder
+        """Folds the producer's committed chunks' stats files into segments (factory/chunk_stats.py); None: never."""
         self.session: Counter[str] = Counter()
         """This session's committed chunks, rollouts, groups kept, completion tokens, ms generating and paused."""
         self.intervals: list[tuple[float, float]] = []
@@ -112,6 +116,8 @@ class ChunkCommitter:
             forget_stats(self.store, self.run_id, stats_name)
             raise
         moves = self.sampler.committed(chunk, stats)
+        if self.folder is not None:
+            self.folder.committed(chunk, stats)
         if self.backpressure is not None:
             self.backpressure.committed += len(grouped.groups)
         self.session.update({"chunks": 1, "rollouts": grouped.rollouts, "groups_kept": len(grouped.groups),
@@ -171,14 +177,16 @@ class DatagenRun:
         self.score_mode = env_class.scoring if d.score_mode == "auto" else d.score_mode
         env = load_env(self.spec, setup=False)
         self.curriculum = make_curriculum(d.curriculum, env, start_level=min(getattr(cfg.env, "difficulties", [1])))
+        chunk_stats = Restore(self.store.run_dir(d.run_id), d.producer)  # one read for the sampler and the folder
         self.sampler = DynamicSampling(self.store, run_id=d.run_id, producer=d.producer, chunk_items=d.chunk_items,
                                        total_items=cfg.env.total_items, target_groups=d.target_groups,
                                        max_items=d.max_items, chunks_in_flight=d.chunks_in_flight,
-                                       curriculum=self.curriculum, solved=env.solved)
+                                       curriculum=self.curriculum, solved=env.solved, chunk_stats=chunk_stats)
+        folder = Folder(self.store, d.run_id, d.producer, chunk_stats, self.sampler.committed_chunks)
         self.backpressure = Backpressure(cfg.serve, cfg.env.group_size) if cfg.serve.api_url else None
         self.committer = ChunkCommitter(self.store, root=d.store_root, run_id=d.run_id, producer=d.producer,
                                         sampler=self.sampler, write_shard=write_shard, flow_run_id=self.ops.own_run,
-                                        backpressure=self.backpressure)
+                                        backpressure=self.backpressure, folder=folder)
         self.window = ChunksInFlight(d.chunks_in_flight, self.sampler)
         self.progress_throttle = Throttle(PROGRESS_ARTIFACT_EVERY_S)
         self.group_options = {
@@ -307,6 +315,7 @@ class DatagenRun:
             from prefect.artifacts import update_progress_artifact
 
             best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
+        self.committer.folder.fold_if_due()  # a run from before folding, resumed: fold its backlog before reading it
         summary = self.summary()
         if self.stopping:
             return self.ops.stopped(summary, abandoned=self.window.chunks())

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import Any
 
+from factory.chunk_stats import summed
 from factory.datagen.store import run_location
-from factory.sampling import chunk_stats_name
 from factory.store import ShardStore
 from tasks.group import DROP_REASONS
 
@@ -26,19 +25,9 @@ def summarize(store: ShardStore, cfg: Any, seconds: float, session: Counter[str]
               intervals: list[tuple[float, float]]) -> dict[str, Any]:
     """Totals over every committed chunk of this producer (this session and earlier ones)."""
     run, producer = cfg.datagen.run_id, cfg.datagen.producer
-    totals: Counter[str] = Counter()
-    dropped: Counter[str] = Counter()
-    for record in store.committed(run).values():
-        if record.producer != producer:
-            continue
-        path = store.run_dir(run) / chunk_stats_name(producer, record.chunk)
-        if path.is_file():
-            stats = json.loads(path.read_text())
-            dropped.update(stats["dropped"])
-            for key in ("groups_kept", "rollouts", "completion_tokens", "scored"):
-                totals[key] += stats[key]
-            totals["score_sum_milli"] += round(stats["score_sum"] * 1000)
-        totals["chunks"] += 1
+    committed = {record.chunk for record in store.committed(run).values() if record.producer == producer}
+    totals, dropped = summed(store.run_dir(run), producer, committed)  # per-chunk files and folded segments
+    totals["chunks"] = len(committed)
     return {
         "run_id": run,
         "producer": producer,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from factory.chunk_stats import VIEW_KEYS, gc_paused, segment_view
+from factory.chunk_stats import parse_name as parse_stats_name
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
 from factory.store_records import Block
@@ -53,8 +54,6 @@ KEY_LABELS: dict[str, tuple[int, int | None, int | None]] = {
 }
 """env name -> (parts of its item key split on ':', part holding the task family, part holding the difficulty
 or None); an env not listed has family = its name and difficulty from the `difficulty` column only."""
-_CHUNK_STATS = re.compile(r"^stats-(?P<producer>.+)-(?P<chunk>\d{8})\.json$")
-_RUN_STATS = re.compile(r"^stats-(?P<producer>.+)\.json$")
 
 
 def index_shard(path: Path | str, shard_id: int, rows: tuple[int, int] | None = None,
@@ -168,11 +167,16 @@ class RunIndex:
         """Shards not indexed yet, in log order: records, and the members of merged files that the store's manifest
         holds as a `Block` (keyed by `Block.key`), which stay a block until indexed, newest members first."""
         self._pending_members = 0
-        self._stats_key: tuple[tuple[str, int], ...] = ()
-        self._stats_files: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
-        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones."""
+        self._stats_key: tuple[tuple[str, tuple[int, int, int] | None], ...] = ()
+        self._stats_files: dict[str, tuple[tuple[int, int, int] | None, dict[str, Any]]] = {}
+        """Stats file name -> ((mtime, size, inode), its data) as last read: a refresh reads new and changed ones;
+        a segment's (never rewritten) is (None, chunk -> its view)."""
         self.chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
+        """(producer, chunk) -> what the viewer reads of its stats (`VIEW_KEYS`): the rest, e.g. the curriculum
+        outcomes of every item (most of a file), is left out as it is read."""
         self.run_stats: dict[str, dict[str, Any]] = {}
+        self._stats_answers: dict[str, tuple[Any, Any, Any]] = {}
+        """drops() and flow_runs() as last computed, with the chunk_stats and run_stats dicts they came from."""
         self._metrics_key: tuple[str, int, int] | None = None
         self._metrics: list[dict[str, Any]] = []
         self._merged: dict[str, tuple[pq.FileMetaData, list[int]]] = {}
@@ -414,37 +418,56 @@ class RunIndex:
         return cached
 
     def _refresh_stats(self) -> None:
-        """Re-read the datagen stats files (per chunk and per producer) when the set of them changed: the ones new or
-        changed since the last look (a live run adds one per chunk; re-reading every chunk's file each time grew
-        with the run's history)."""
-        files = sorted(self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
-        stats = []
-        for path in files:
+        """Re-read the datagen stats files (per chunk, folded segments of chunks, per producer) when the set of them
+        changed: only the ones new or changed since the last look (a live run adds one per chunk; re-reading every
+        chunk's file each time grew with the run's history). Segments are write-once: cached by name, never
+        stat'ed again; a chunk both in a segment and in its own file (a fold was interrupted) counts once."""
+        names = sorted(path.name for path in self.run_dir.glob("stats-*.json")) if self.run_dir is not None else []
+        listing: list[tuple[str, tuple[str, str, int], tuple[int, int, int] | None]] = []
+        for name in names:
+            if (parsed := parse_stats_name(name)) is None:
+                continue
+            if parsed[0] == "segment":
+                listing.append((name, parsed, None))
+                continue
             try:
-                stats.append((path, path.stat()))
+                stat = (self.run_dir / name).stat()
             except FileNotFoundError:
                 continue
-        key = tuple((path.name, stat.st_mtime_ns) for path, stat in stats)
+            listing.append((name, parsed, (stat.st_mtime_ns, stat.st_size, stat.st_ino)))
+        key = tuple((name, version) for name, _, version in listing)
         if key == self._stats_key:
             return
         self._stats_key = key
-        self.chunk_stats, self.run_stats = {}, {}
+        chunk_stats: dict[tuple[str, int], dict[str, Any]] = {}
+        run_stats: dict[str, dict[str, Any]] = {}
         known, self._stats_files = self._stats_files, {}
-        for path, stat in stats:
-            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            cached = known.get(path.name)
-            if cached is not None and cached[0] == version:
-                data = cached[1]
-            else:
-                try:
-                    data = json.loads(path.read_text(encoding="utf-8"))
-                except (OSError, ValueError):
-                    continue
-            self._stats_files[path.name] = (version, data)
-            if match := _CHUNK_STATS.match(path.name):
-                self.chunk_stats[(match["producer"], int(match["chunk"]))] = data
-            elif match := _RUN_STATS.match(path.name):
-                self.run_stats[match["producer"]] = data
+        chunk_files: list[tuple[str, int, dict[str, Any]]] = []
+        with gc_paused():  # the parsed stats are kept: collections would walk them over and over
+            for name, (kind, producer, chunk), version in listing:
+                cached = known.get(name)
+                if cached is not None and cached[0] == version:
+                    data = cached[1]
+                else:
+                    try:
+                        data = json.loads((self.run_dir / name).read_text(encoding="utf-8"))
+                        if kind == "segment":
+                            data = segment_view(data)
+                        elif kind == "chunk":
+                            data = {key: data[key] for key in VIEW_KEYS if key in data}
+                    except (OSError, ValueError, AttributeError, TypeError):
+                        continue
+                self._stats_files[name] = (version, data)
+                if kind == "segment":
+                    chunk_stats.update({(producer, k): stats for k, stats in data.items()})
+                elif kind == "chunk":
+                    chunk_files.append((producer, chunk, data))
+                else:
+                    run_stats[producer] = data
+        for producer, chunk, data in chunk_files:
+            chunk_stats.setdefault((producer, chunk), data)  # a segment's copy first (the same content)
+        # whole new dicts, never changed after: drops() and flow_runs() cache their answers on them
+        self.chunk_stats, self.run_stats = chunk_stats, run_stats
 
     @property
     def frame(self) -> pl.DataFrame:
@@ -499,36 +522,23 @@ class RunIndex:
         return pl.concat(pieces, how="vertical_relaxed") if len(pieces) > 1 else pieces[0]
 
     def drops(self) -> dict[str, Any]:
-        """Kept and dropped groups by reason: summed over chunk stats, else the producer's summary."""
-        kept, dropped, chunks = 0, {}, []
-        producers_with_chunks = {producer for producer, _ in self.chunk_stats}
-        for (producer, chunk), stats in sorted(self.chunk_stats.items()):
-            kept += int(stats.get("groups_kept", 0))
-            for reason, count in (stats.get("dropped") or {}).items():
-                dropped[reason] = dropped.get(reason, 0) + int(count)
-            chunks.append({"producer": producer, "chunk": chunk, "kept": stats.get("groups_kept"),
-                           "dropped": stats.get("dropped") or {}, "flow_run_id": stats.get("flow_run_id")})
-        for producer, stats in self.run_stats.items():
-            if producer in producers_with_chunks:
-                continue
-            kept += int(stats.get("groups_kept", 0))
-            for reason, count in (stats.get("dropped") or {}).items():
-                dropped[reason] = dropped.get(reason, 0) + int(count)
-        recorded = bool(self.chunk_stats or self.run_stats)
-        return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": recorded}
+        """Kept and dropped groups by reason: summed over chunk stats, else the producer's summary. Computed once per
+        set of stats files read (a run page asks on every render); do not change what it returns."""
+        return self._stats_answer("drops", _drops)
 
     def flow_runs(self) -> list[dict[str, Any]]:
-        """Prefect flow runs that committed this run's chunks (from `flow_run_id` in chunk stats), with chunk counts."""
-        runs: dict[str, dict[str, Any]] = {}
-        for (producer, _chunk), stats in sorted(self.chunk_stats.items()):
-            run_id = stats.get("flow_run_id")
-            if run_id:
-                entry = runs.setdefault(str(run_id), {"id": str(run_id), "producer": producer, "chunks": 0})
-                entry["chunks"] += 1
-        for producer, stats in self.run_stats.items():
-            if (run_id := stats.get("flow_run_id")) and str(run_id) not in runs:
-                runs[str(run_id)] = {"id": str(run_id), "producer": producer, "chunks": None}
-        return list(runs.values())
+        """Prefect flow runs that committed this run's chunks (from `flow_run_id` in chunk stats), with chunk counts.
+        Computed once per set of stats files read, as `drops`."""
+        return self._stats_answer("flow_runs", _flow_runs)
+
+    def _stats_answer(self, what: str, compute: Any) -> Any:
+        chunk_stats, run_stats = self.chunk_stats, self.run_stats  # replaced whole by a refresh, never changed
+        cached = self._stats_answers.get(what)
+        if cached is not None and cached[0] is chunk_stats and cached[1] is run_stats:
+            return cached[2]
+        answer = compute(chunk_stats, run_stats)
+        self._stats_answers[what] = (chunk_stats, run_stats, answer)
+        return answer
 
     def train_metrics(self) -> tuple[Path | None, list[dict[str, Any]]]:
         """The trainer's per-step metrics (first of TRAIN_METRICS_PATHS that exists), re-read when it changes."""
@@ -664,6 +674,39 @@ class StoreIndex:
             else:
                 groups, shards = groups + item.rows, shards + 1
         return groups, shards
+
+
+def _drops(chunk_stats: dict[tuple[str, int], dict[str, Any]], run_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    kept, dropped, chunks = 0, {}, []
+    producers_with_chunks = {producer for producer, _ in chunk_stats}
+    for (producer, chunk), stats in sorted(chunk_stats.items()):
+        kept += int(stats.get("groups_kept", 0))
+        for reason, count in (stats.get("dropped") or {}).items():
+            dropped[reason] = dropped.get(reason, 0) + int(count)
+        chunks.append({"producer": producer, "chunk": chunk, "kept": stats.get("groups_kept"),
+                       "dropped": stats.get("dropped") or {}, "flow_run_id": stats.get("flow_run_id")})
+    for producer, stats in run_stats.items():
+        if producer in producers_with_chunks:
+            continue
+        kept += int(stats.get("groups_kept", 0))
+        for reason, count in (stats.get("dropped") or {}).items():
+            dropped[reason] = dropped.get(reason, 0) + int(count)
+    recorded = bool(chunk_stats or run_stats)
+    return {"kept": kept, "dropped": dropped, "chunks": chunks, "recorded": recorded}
+
+
+def _flow_runs(chunk_stats: dict[tuple[str, int], dict[str, Any]],
+               run_stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    runs: dict[str, dict[str, Any]] = {}
+    for (producer, _chunk), stats in sorted(chunk_stats.items()):
+        run_id = stats.get("flow_run_id")
+        if run_id:
+            entry = runs.setdefault(str(run_id), {"id": str(run_id), "producer": producer, "chunks": 0})
+            entry["chunks"] += 1
+    for producer, stats in run_stats.items():
+        if (run_id := stats.get("flow_run_id")) and str(run_id) not in runs:
+            runs[str(run_id)] = {"id": str(run_id), "producer": producer, "chunks": None}
+    return list(runs.values())
 
 
 def _local_run_dir(store: StoreReader, run_id: str) -> Path | None:

@@ -58,6 +58,22 @@ def test_flow_writes_readable_shards_with_tokens_stats_and_artifacts(prefect_ser
     assert again["session_chunks"] == 0 and store.count("flow-1") == 12  # a rerun adds nothing
 
 
+def test_the_flow_folds_its_chunk_stats_and_a_rerun_reads_them(prefect_server, policy_server, tmp_path, monkeypatch):
+    from factory import chunk_stats
+    from flows.datagen import intern_bootcamp_datagen
+
+    monkeypatch.setattr(chunk_stats, "FOLD_CHUNKS", 2)  # the flow runs in this process
+    summary = intern_bootcamp_datagen(**params(policy_server, tmp_path, "fold-1"))
+    run_dir = ShardStore(tmp_path).run_dir("fold-1")
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith("stats-intern-bootcamp"))
+    assert names == ["stats-intern-bootcamp-00000002.json", "stats-intern-bootcamp.chunks-00000000-00000001.json",
+                     "stats-intern-bootcamp.json"]
+    assert summary["chunks_committed"] == 3 and summary["groups_kept"] == 12 and summary["rollouts"] == 48
+    again = intern_bootcamp_datagen(**params(policy_server, tmp_path, "fold-1"))
+    assert again["session_chunks"] == 0 and again["chunks_committed"] == 3 and again["rollouts"] == 48
+    assert again["items_tried"] == summary["items_tried"] == 12
+
+
 def test_kill_9_mid_run_then_rerun_loses_nothing_and_duplicates_nothing(prefect_server, policy_server, tmp_path):
     job = params(policy_server, tmp_path, "killed", total_items=40, max_tokens=24)
     job["datagen"].update(chunks_in_flight=1)

@@ -215,3 +215,32 @@ def test_viewer_and_export_read_the_same_rows_after_an_object_store_compaction(b
     fresh.refresh()
     assert rows(fresh) == before and not fresh.problems
     assert ids(url, "r") == export_before
+
+
+@pytest.mark.parametrize("damaged", [1, 10])
+def test_members_fetched_ahead_and_a_damaged_one_leaves_its_batch_as_it_was(bucket, monkeypatch, damaged):
+    """Members are fetched several at a time, ahead of the merge; a member that does not match its record stops
+    the batch (the GETs still in flight are waited for or dropped) and nothing is committed."""
+    monkeypatch.setattr("factory.store_object_compact.GET_AHEAD", 3)
+    monkeypatch.setattr("factory.store_object_compact.GET_THREADS", 2)
+    fs, name = bucket
+    url = f"s3://{name}/s"
+    fill(open_store(url), "r", 12)
+    before = ids(url, "r")
+    store = open_store(url)
+    record = store.committed("r")[sorted(store.committed("r"))[damaged]]
+    path = store.shard_path("r", record.shard)
+    with fs.open_input_stream(path) as handle:
+        data = bytearray(handle.read())
+    data[100] ^= 0xFF  # same size, other bytes
+    with fs.open_output_stream(path) as out:
+        out.write(bytes(data))
+    report = compact_object_run(open_store(url), "r", target_bytes=1 << 30)
+    assert report.files == [] and "does not match its record" in report.skipped[0]
+    assert keys(fs, f"{name}/s/r/compactions") == [] and len(keys(fs, f"{name}/s/r/shards")) == 12
+    data[100] ^= 0xFF
+    with fs.open_output_stream(path) as out:  # the member restored: the next compaction merges the whole batch
+        out.write(bytes(data))
+    assert ids(url, "r") == before
+    report = compact_object_run(open_store(url), "r", target_bytes=1 << 30)
+    assert report.shards == 12 and ids(url, "r") == before

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 
 import pytest
 
 from environments.base import Rollout
 from environments.bootcamp_tasks import parse_key
 from environments.intern_bootcamp import InternBootcampConfig, InternBootcampEnv
+from factory.chunk_stats import Folder, Restore, fold, read_all
 from factory.curriculum import CurriculumSettings
 from factory.datagen.run import ChunkCommitter, ChunksInFlight, PlannedChunk
 from factory.run_outcome import target_missed_message
@@ -44,18 +47,22 @@ def scripted_rollouts(item, group_size: int, pass_by_level) -> list[Rollout]:
 
 
 def run_loop(store, *, target=None, total_items=40, max_items=None, chunk_items=5, lag=2, curriculum=True,
-             kill_after=None, pass_by_level=PASS_BY_LEVEL, group_size=4):
+             kill_after=None, pass_by_level=PASS_BY_LEVEL, group_size=4, fold_chunks=None):
     """The datagen flow's loop (flows/datagen.py, DatagenRun) on its own window and committer, the Prefect
     tasks replaced by direct calls."""
     env = InternBootcampEnv(InternBootcampConfig(difficulties=[3], group_size=group_size))
     cur = make_curriculum(CurriculumSettings(enabled=curriculum, min_items=4), env, start_level=3)
+    found = Restore(store.run_dir(RUN), PRODUCER)  # as DatagenRun: one read for the sampler and the folder
     s = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=chunk_items, total_items=total_items,
                         target_groups=target, max_items=max_items, chunks_in_flight=lag, curriculum=cur,
-                        solved=env.solved)
+                        solved=env.solved, chunk_stats=found)
     window = ChunksInFlight(lag, s)
+    folder = None if fold_chunks is None else Folder(store, RUN, PRODUCER, found, s.committed_chunks,
+                                                     threshold=fold_chunks)
     committer = ChunkCommitter(store, root=str(tmp_root(store)), run_id=RUN, producer=PRODUCER, sampler=s,
                                write_shard=lambda _root, run, producer, chunk, groups: store.commit(run, producer,
-                                                                                                   chunk, groups))
+                                                                                                   chunk, groups),
+                               folder=folder)
     commits = 0
 
     def draw(planned):
@@ -121,6 +128,38 @@ def test_target_is_reached_exactly_and_a_killed_run_resumes_to_the_same_items_an
     assert {g.difficulty for g in killed.iter_groups(RUN)} <= {1, 2, 3, 4, 5}
     again = run_loop(killed, target=37, lag=lag)  # a finished run draws nothing more
     assert again.next_chunk() is None and killed.count(RUN) == 37
+
+
+def test_a_run_resumed_from_folded_stats_restores_the_same_items_and_curriculum(tmp_path):
+    whole = ShardStore(tmp_path / "whole")
+    s = run_loop(whole, target=37, lag=2)
+    keys = committed_keys(whole)
+    folded = ShardStore(tmp_path / "folded")
+    with pytest.raises(Killed):
+        run_loop(folded, target=37, lag=2, kill_after=5, fold_chunks=2)
+    segments = [n for n in os.listdir(folded.run_dir(RUN)) if ".chunks-" in n]
+    assert len(segments) == 2  # chunks 0-3 folded, chunk 4 in its own file
+    resumed = run_loop(folded, target=37, lag=2, fold_chunks=2)
+    assert resumed.restored_chunks == 5 and committed_keys(folded) == keys
+    state = lambda store: json.loads((store.run_dir(RUN) / curriculum_state_name(PRODUCER)).read_text())  # noqa: E731
+    assert state(folded) == state(whole)
+    assert resumed.summary() == s.summary()
+
+    # the whole run's stats folded in one go: a restore reads the same as from its per-chunk files
+    copy = ShardStore(tmp_path / "copy")
+    shutil.copytree(whole.run_dir(RUN), copy.run_dir(RUN))
+    chunks = {c: stats for (_, c), stats in read_all(copy, RUN, PRODUCER).items()}
+    fold(copy, RUN, PRODUCER, chunks)
+    assert not [n for n in os.listdir(copy.run_dir(RUN)) if n.startswith(f"stats-{PRODUCER}-")]
+
+    def restore(store):
+        env = InternBootcampEnv(InternBootcampConfig(difficulties=[3], group_size=4))
+        cur = make_curriculum(CurriculumSettings(enabled=True, min_items=4), env, start_level=3)
+        r = DynamicSampling(store, run_id=RUN, producer=PRODUCER, chunk_items=5, total_items=40, target_groups=37,
+                            chunks_in_flight=2, curriculum=cur, solved=env.solved)
+        return r.committed_items, r.trimmed_total(), cur.to_dict(), r._plans, r.summary()
+
+    assert restore(copy) == restore(whole)
 
 
 def test_curriculum_moves_levels_toward_the_band_and_groups_record_their_level(tmp_path):

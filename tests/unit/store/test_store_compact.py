@@ -396,3 +396,123 @@ def test_a_compaction_that_moved_many_shards_rewrites_the_manifest(tmp_path, mon
     fresh = ShardStore(tmp_path).committed("r")
     assert fresh == expected and parsed == []
     assert [r.row_offset for r in fresh.values()] == [5 * i for i in range(40)]
+
+
+def test_a_compaction_saves_the_manifest_once_at_its_end_not_per_merged_file(tmp_path, monkeypatch):
+    """Each compaction record moves many shards: the store's rule (a checkpoint after lines that moved a quarter of
+    the records) would save the whole manifest every few merged files of one compaction; it is saved once."""
+    import factory.store as store_module
+    import factory.store_compact as compact_module
+
+    monkeypatch.setattr(store_module, "MANIFEST_EVERY_LINES", 10)
+    monkeypatch.setattr(compact_module, "MANIFEST_EVERY_LINES", 10)
+    fill(ShardStore(tmp_path), "r", 40)
+    ShardStore(tmp_path).committed("r")  # the manifest covers the 40 commits
+    saved = []
+    for module in (store_module, compact_module):
+        original = module.save_manifest
+        monkeypatch.setattr(module, "save_manifest", lambda *a, _original=original: (saved.append(1), _original(*a))[1])
+    store = ShardStore(tmp_path)
+    size = sum(r.bytes for r in store.committed("r").values())
+    report = compact_run(store, "r", target_bytes=size // 4 + 1, method="pages")
+    assert len(report.files) >= 4 and report.shards == 40
+    assert saved == [1]
+    parsed = []
+    original_parse = ShardStore._parse_line
+    monkeypatch.setattr(ShardStore, "_parse_line", staticmethod(lambda *a: (parsed.append(1), original_parse(*a))[1]))
+    fresh = ShardStore(tmp_path)
+    assert fresh.committed("r") == store.committed("r") and parsed == []  # the saved manifest covers every record
+    assert ids(fresh, "r") == [g.group_id for g in synthetic_groups(200, group_size=2, seq_len=8)]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files in /proc")
+def test_members_are_read_ahead_in_order_and_leaving_early_closes_everything(tmp_path):
+    from factory.store_compact import _Members, _read_member
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 12)
+    batch = list(store.committed("r").values())
+    directory = str(tmp_path / "r" / "shards")
+    (tmp_path / "r" / "shards" / batch[5].shard).unlink()
+    opened = _open_fds()
+    seen = []
+    with _Members(directory, batch, ahead_bytes=3 * batch[0].bytes) as members:  # a few members ahead at a time
+        for record, path, fd in members:
+            if fd is None:
+                seen.append(None)
+                continue
+            try:
+                data = _read_member(fd, record.bytes)
+            finally:
+                os.close(fd)
+            assert data == Path(path).read_bytes() and path.endswith(record.shard)
+            seen.append(record.shard)
+    assert seen == [r.shard if i != 5 else None for i, r in enumerate(batch)]
+    assert members.thread is None and _open_fds() == opened
+    with _Members(directory, batch) as members:
+        for _record, _path, fd in members:
+            os.close(fd)
+            break
+    assert members.thread is None and _open_fds() == opened
+
+
+@pytest.mark.parametrize("method", ["row_groups", "pages"])
+def test_an_error_of_the_background_write_back_fails_the_merge(tmp_path, monkeypatch, method):
+    """Linux reports a write-back error to one fsync of a file description: the one on the second thread must fail
+    the merge (the final fsync would not see it again)."""
+    import errno
+
+    monkeypatch.setattr("factory.store_compact.WRITE_BACK_BYTES", 1)
+    store = ShardStore(tmp_path)
+    fill(store, "r", 6)
+    before = ids(store, "r")
+
+    def failing(_fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(StoreError, match="Input/output error"):
+        compact_run(store, "r", target_bytes=1 << 30, method=method)
+    monkeypatch.undo()
+    assert ids(ShardStore(tmp_path), "r") == before
+    assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
+
+
+def test_a_compaction_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    import gc
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    assert gc.isenabled()
+    compact_run(store, "r", target_bytes=1 << 30)
+    assert gc.isenabled()
+    fill(store, "r", 4, start=4)
+    gc.disable()
+    try:
+        compact_run(store, "r", target_bytes=1 << 30)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("method", ["row_groups", "pages"])
+@pytest.mark.parametrize("change", ["truncated", "longer"])
+def test_a_member_of_another_size_is_found_and_its_batch_left_as_it_was(tmp_path, method, change):
+    """A longer file whose first bytes are the committed ones has the committed sha256 over those bytes: its size
+    must be checked too (one byte more than the record is read)."""
+    store = ShardStore(tmp_path)
+    fill(store, "r", 4)
+    before = ids(store, "r")
+    path = tmp_path / "r" / "shards" / "w0-00000002.parquet"
+    data = path.read_bytes()
+    path.write_bytes(data[:-10] if change == "truncated" else data + b"\0" * 10)
+    report = compact_run(store, "r", target_bytes=1 << 30, method=method)
+    size = len(data) - 10 if change == "truncated" else len(data) + 10
+    assert report.files == [] and f"size is {size} bytes, commit log says {len(data)}" in report.skipped[0]
+    assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
+    path.write_bytes(data)
+    assert ids(ShardStore(tmp_path), "r") == before

@@ -144,7 +144,9 @@ def test_a_budgeted_refresh_indexes_newest_shards_first_and_keeps_commit_order(s
     assert index.frame["policy_version"].to_list() == [0] * 20 + [1] * 20 + [2] * 20
 
 
-def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch):
+@pytest.fixture
+def stats_reads(monkeypatch) -> list[str]:
+    """Names of the stats files read (Path.read_text) from here on, in order."""
     from pathlib import Path
 
     reads: list[str] = []
@@ -156,6 +158,11 @@ def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch)
         return read_text(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", counted)
+    return reads
+
+
+def test_stats_files_are_read_again_only_when_new_or_changed(store, stats_reads):
+    reads = stats_reads
     index = RunIndex(store, "run-1")
     index.refresh()
     assert sorted(reads) == [f"stats-datagen-{chunk:08d}.json" for chunk in range(3)]
@@ -174,3 +181,40 @@ def test_stats_files_are_read_again_only_when_new_or_changed(store, monkeypatch)
     (store.run_dir("run-1") / "stats-datagen-00000000.json").unlink()
     index.refresh()
     assert (0 not in {chunk for _, chunk in index.chunk_stats}) and index.drops()["kept"] == 7 + 20 + 5
+
+
+def test_drops_and_flow_runs_are_the_same_after_folding_and_a_segment_is_read_once(store, stats_reads):
+    from pathlib import Path
+
+    from factory.chunk_stats import fold, segment_name, write_segment
+
+    fresh = RunIndex(store, "run-1")
+    fresh.refresh()
+    before = (fresh.drops(), fresh.flow_runs(), dict(fresh.chunk_stats))
+    reads, read_text = stats_reads, Path.read_text  # (reads before `reads.clear()` below are not asserted on)
+    index = RunIndex(store, "run-1")
+    index.refresh()
+    chunks = {k: json.loads(read_text(store.run_dir("run-1") / f"stats-datagen-{k:08d}.json")) for k in (0, 1)}
+    write_segment(store, "run-1", "datagen", chunks)  # a fold killed before it deleted the files
+    reads.clear()
+    index.refresh()
+    assert reads == [segment_name("datagen", 0, 1)]
+    assert (index.drops(), index.flow_runs(), index.chunk_stats) == before
+    fold(store, "run-1", "datagen", chunks)  # the files go (the segment is rewritten with the same content)
+    reads.clear()
+    index.refresh()
+    assert reads == [] and (index.drops(), index.flow_runs(), index.chunk_stats) == before
+    folded = RunIndex(store, "run-1")
+    folded.refresh()
+    assert (folded.drops(), folded.flow_runs(), folded.chunk_stats) == before and folded.run_stats == {}
+
+
+def test_drops_and_flow_runs_are_computed_once_per_set_of_stats_files(store):
+    index = RunIndex(store, "run-1")
+    index.refresh()
+    drops, runs = index.drops(), index.flow_runs()
+    index.refresh()  # nothing new
+    assert index.drops() is drops and index.flow_runs() is runs
+    write_chunk(store, "run-1", 3, [make_group(60 + i, "run-1", 3) for i in range(5)])
+    index.refresh()
+    assert index.drops()["kept"] == drops["kept"] + 5 and index.flow_runs()[0]["chunks"] == runs[0]["chunks"] + 1
