@@ -145,15 +145,14 @@ def table_of_many(summaries: list[dict[str, Any]]) -> pa.Table:
     """`table_of` of the summaries' rows one after the other (shards of a run, in commit order): one table, with
     numpy work per distinct summary object and per run, not per shard (shards of one producer mostly share one
     summary object: see `intern`)."""
-    distinct: dict[int, int] = {}
-    kinds: list[int] = []
-    uniques: list[dict[str, Any]] = []
-    for summary in summaries:
-        at = distinct.get(id(summary))
-        if at is None:
-            at = distinct[id(summary)] = len(uniques)
-            uniques.append(summary)
-        kinds.append(at)
+    # distinct objects numbered in order of first appearance (as a dict would, but with numpy, not per shard)
+    objects = np.fromiter(map(id, summaries), dtype=np.int64, count=len(summaries))
+    _, firsts_at, inverse = np.unique(objects, return_index=True, return_inverse=True)
+    order = np.argsort(firsts_at, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    kind = rank[inverse.reshape(-1)]
+    uniques = [summaries[at] for at in firsts_at[order].tolist()]
     names: dict[str, int] = {}
     columns: list[list[int]] = [[], [], [], [], [], []]  # env, env_id, valid, version, size, count
     firsts, lengths = [], []
@@ -164,7 +163,6 @@ def table_of_many(summaries: list[dict[str, Any]]) -> pa.Table:
         for env, env_id, version, size, count in summary["runs"]:
             for kept, value in zip(columns, (codes[env], env_id or 0, env_id is not None, version, size, count)):
                 kept.append(value)
-    kind = np.array(kinds, dtype=np.int64)
     if all(length == 1 for length in lengths):  # one run per shard, the usual case
         runs = np.array(firsts, dtype=np.int64)[kind]
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from factory.index_runs import INDEX_COLUMNS, rows_of, table_of, table_of_many
 from factory.store import CommitRecord, StoreError
-from factory.store_records import Block
+from factory.store_records import Block, Records
 
 if TYPE_CHECKING:
     from factory.store_object import StoreReader
@@ -134,7 +134,7 @@ class Locator:
         self._paths: dict[tuple[str, str], Path | str] = {}
         self._summarized: dict[str, int] = {}
         self._listed: dict[str, set[str]] = {}
-        self._bases: dict[str, str] = {}
+        self._own: dict[str, tuple[Any, str, Callable[[str], set[str]] | None]] = {}
 
     def locate(self, run_id: str, shard: str) -> tuple[Path | str, int]:
         where = getattr(self.store, "where", None)
@@ -162,25 +162,31 @@ class Locator:
         of `rows` rows and the file is there; else None (the caller locates and reads the file, and reports it if
         it is gone). Presence as in `scan_new_shards`: a stat (size) each for the first LIST_AT of a run, then one
         listing of its `shards/`. The path is a string (a Path costs ~4 us to build: seconds at a million shards)."""
+        run = self._own.get(run_id)
+        if run is None:
+            run = self._own[run_id] = self._own_run(run_id)
+        records, base, shard_names = run
+        record = (records._items if type(records) is Records else records).get(shard)
+        if record is None or type(record) is Block or record.index is None or record.file or record.rows != rows:
+            return None
+        path = base + shard
+        names = self._listed.get(run_id)
+        if names is None:
+            seen = self._summarized[run_id] = self._summarized.get(run_id, 0) + 1
+            if seen < LIST_AT or shard_names is None:
+                return (path, record.index) if self.store.file_size(path) == record.bytes else None
+            names = self._listed[run_id] = shard_names(run_id)
+        return (path, record.index) if shard in names else None
+
+    def _own_run(self, run_id: str) -> tuple[Any, str, Callable[[str], set[str]] | None]:
+        """For `own_file`: the run's records, its shards' directory as a string, and the store's listing of it
+        (if it has one). A shard that is not a record of its own in `Records` (absent, or a member of a compacted
+        block) is not in its own file: `own_file` looks in the plain dict of records, not into the blocks."""
         current = getattr(self.store, "current", None)
         records = self._records.get(run_id)
         if records is None:
             records = self._records[run_id] = current(run_id) if current is not None else self.store.committed(run_id)
-        record = records.get(shard)
-        if record is None or record.index is None or record.file or record.rows != rows:
-            return None
-        base = self._bases.get(run_id)
-        if base is None:
-            base = self._bases[run_id] = str(self.store.shard_path(run_id, "x"))[:-1]
-        path = base + shard
-        seen = self._summarized[run_id] = self._summarized.get(run_id, 0) + 1
-        shard_names = getattr(self.store, "shard_names", None)
-        if seen >= LIST_AT and shard_names is not None:
-            names = self._listed.get(run_id)
-            if names is None:
-                names = self._listed[run_id] = shard_names(run_id)
-            return (path, record.index) if shard in names else None
-        return (path, record.index) if self.store.file_size(path) == record.bytes else None
+        return records, str(self.store.shard_path(run_id, "x"))[:-1], getattr(self.store, "shard_names", None)
 
 
 class IndexCache:
@@ -326,7 +332,9 @@ def scan_new_shards(
         a caller that could not index one finds it again)."""
         again_blocks: list[Block] = []
         finished = False
-        records = list({(r.key if type(r) is Block else r.shard): r for r in retry_blocks + pending + changed}.values())
+        # each record once (the change list gives each once already: a dedupe only with shards looked at again)
+        records = list({(r.key if type(r) is Block else r.shard): r for r in retry_blocks + pending + changed}.values()
+                       ) if retry_blocks or pending else changed
         if store.filesystem is not None:  # an object store: every look is a request, so make them concurrently
             _read_ahead(store, run_id, [r for r in records if type(r) is not Block and (run_id, r.shard) not in known
                                         and not r.file], sizes, indexes)
@@ -351,7 +359,7 @@ def scan_new_shards(
                 taken.setdefault((run_id, record.file), []).append((record.first, record.first + record.total))
                 continue
             name = record.shard
-            if (run_id, name) in known:
+            if known and (run_id, name) in known:
                 if moved is not None and record.file:
                     path = path_of(run_id, record.file)
                     if size_of(path) is None:
@@ -366,7 +374,7 @@ def scan_new_shards(
                 listed += 1
                 if present is None and listed >= LIST_AT and shard_names is not None:
                     present = shard_names(run_id)
-                path = own_path(run_id, name)
+                path = (bases.get(run_id) or own_path(run_id, "")) + name
                 if (name in present) if present is not None else size_of(path) == record.bytes:
                     shard = NewShard(run_id, name, path, record.rows, None, 0)  # its index: summarized_index
                     summarized.append(shard)

@@ -375,20 +375,24 @@ class BatchService:
             self._enqueue_ranges(ranges, taken)
             ranges = []
 
+        own_file = locator.own_file if sources else None
+        paths, source_ids, add_known = self.sources, self._source_ids, self._known.add
+        count = taken.count if taken is not None and len(taken) else None
         for source, run_id, shard, rows in sources:
-            add_blocks_before(source)
-            own = locator.own_file(run_id, shard, rows)  # its index from its commit record, if it carries one
+            if block is not None:
+                add_blocks_before(source)
+            own = own_file(run_id, shard, rows)  # its index from its commit record, if it carries one
             if own is not None:
                 path, offset = own[0], 0
             else:
                 path, offset = locator.locate(run_id, shard)
-            self.sources[source] = path
-            self._source_ids[(run_id, shard)] = source
+            paths[source] = path
+            key = (run_id, shard)
+            source_ids[key] = source
             if offset:
                 self.row_offsets[source] = offset
-            self._known.add((run_id, shard))
-            done = taken.count(source) if taken is not None else 0
-            if done >= rows:
+            add_known(key)
+            if count is not None and count(source) >= rows:
                 continue
             if own is not None:  # made with the others' at `enqueue`
                 if len(ranges) >= 50_000:
@@ -418,6 +422,9 @@ class BatchService:
         sources and blocks to load."""
         import numpy as np
 
+        compacted = getattr(self.store, "compacted", None)
+        if compacted is not None and not any(compacted(run_id) for run_id in {source[1] for source in sources}):
+            return sources, blocks  # no run compacted: every shard in its own file, none to fold (no look each)
         where = self.store.where
         current = getattr(self.store, "current", None)
         if current is not None:  # one snapshot of each run's records, not a look at its log (a stat) per source
@@ -532,55 +539,64 @@ class BatchService:
         from factory.serve.state import BlockRows
 
         new: list[NewShard | NewBlock] = []
+        keys: list[tuple[str, str]] = []
         ids_of: list[list[str]] = []
+        entries: list[tuple[str, str, Any, list[str]]] = []
+        """What the served state indexes, entry by entry: (run, shard or file, rows or BlockRows, group ids)."""
         id_files: dict[Path | str, list[str]] = {}
         seen: set[tuple[str, str]] = set()
+        known_keys, ingest_run, no_ids = self._known, self.config.ingest_run, []
         for shard in shards:
-            if isinstance(shard, NewBlock):
-                key = (shard.run_id, f"\x00{shard.file}\x00{shard.first}")
-                known = covered(self._block_ranges, shard.run_id, shard.file, shard.first, shard.first + shard.rows)
+            run_id = shard.run_id
+            if type(shard) is NewBlock:
+                key = (run_id, f"\x00{shard.file}\x00{shard.first}")
+                known = covered(self._block_ranges, run_id, shard.file, shard.first, shard.first + shard.rows)
                 if known is None:  # the follower splits such blocks into their members; not one it was given
                     logger.error("rows %d..%d of %s/%s are in part indexed already; left out of this scan",
-                                 shard.first, shard.first + shard.rows, shard.run_id, shard.file)
+                                 shard.first, shard.first + shard.rows, run_id, shard.file)
                 if known is not False:
                     continue
             else:
-                key = (shard.run_id, shard.shard)
-                if key in self._known:
+                key = (run_id, shard.shard)
+                if key in known_keys:
                     continue
             if key in seen:
                 continue
             seen.add(key)
-            ids: list[str] = []
-            if shard.run_id == self.config.ingest_run:
+            ids: list[str] = no_ids
+            if run_id == ingest_run:
                 # Committed while the state DB could not note it, or by a service that died before it could.
                 ids = self._group_ids(shard, id_files)
                 self._stored_ids.update(ids)
             new.append(shard)
+            keys.append(key)
             ids_of.append(ids)
+            entries.append((run_id, shard.file, BlockRows(shard.first, shard.member_rows), ids) if type(shard) is NewBlock
+                           else (run_id, shard.shard, shard.rows, ids))
         if not new:
             return
         try:  # one transaction for the whole scan: all of it is indexed, or none and the next scan retries it
-            sources = self.state.add_sources([
-                (s.run_id, s.file, BlockRows(s.first, s.member_rows), ids) if isinstance(s, NewBlock)
-                else (s.run_id, s.shard, s.rows, ids) for s, ids in zip(new, ids_of)])
+            sources = self.state.add_sources(entries)
         except sqlite3.Error as error:
             logger.error("cannot index %d shards in the served state %s (%s); retrying at the next scan", len(new), self.state.path, error)
             return
         ranges: list[tuple[Any, int, Any, int]] = []
-        for shard, ids, source in zip(new, ids_of, sources):
+        add_range, paths, source_ids, add_known = ranges.append, self.sources, self._source_ids, known_keys.add
+        for shard, key, ids, source in zip(new, keys, ids_of, sources):
             if ids:
                 self._stored_ids.difference_update(ids)
-            if isinstance(shard, NewBlock):
+            if type(shard) is NewBlock:
                 self._add_block(source, shard.run_id, shard.file, shard.path, shard.first, shard.member_rows)
-                ranges.append((shard.file_index, shard.first, shard.member_rows, source))
+                add_range((shard.file_index, shard.first, shard.member_rows, source))
                 continue
-            ranges.append((shard.file_index, shard.index_at, shard.rows, source))
-            self.sources[source] = shard.path
-            self._source_ids[(shard.run_id, shard.shard)] = source
-            if shard.row_offset:
-                self.row_offsets[source] = shard.row_offset
-            self._known.add((shard.run_id, shard.shard))
+            offset = shard.row_offset
+            at = shard.index_offset
+            add_range((shard.file_index, offset if at is None else at, shard.rows, source))
+            paths[source] = shard.path
+            source_ids[key] = source
+            if offset:
+                self.row_offsets[source] = offset
+            add_known(key)
         self._enqueue_ranges(ranges)
         self._kick_prefetch()
 

@@ -280,3 +280,25 @@ def test_a_shard_gone_after_it_was_queued_fails_the_batch_and_leaves_its_groups_
         return groups
 
     assert asyncio.run(life()) == 8
+
+
+def test_the_change_list_of_a_log_loaded_from_its_manifest_is_its_records_once_each(tmp_path):
+    """A start-up's first scan takes a manifest-loaded log's records as they are (no dedupe); after more commits and
+    a re-commit, changes are still each shard once, in change order; `compacted` says whether the run has a logged
+    compaction (run-api's restart skips looking up every source's file when none has)."""
+    from factory.store_compact import compact_run
+
+    store = build(tmp_path, 6)
+    assert save_manifest(store.manifest_path(RUN), store._read_log(RUN))
+    fresh = ShardStore(tmp_path)
+    cursor, items = fresh.changed_items(RUN)
+    assert [r.shard for r in items] == [f"w{c % 2}-0000000{c}.parquet" for c in range(6)]
+    assert not fresh.compacted(RUN)
+    store.commit(RUN, "w0", 6, groups_of(6))
+    store.commit(RUN, "w0", 0, groups_of(0), replace=True)
+    again = ShardStore(tmp_path)
+    _, items = again.changed_items(RUN)
+    assert [r.shard for r in items] == [f"w{c % 2}-0000000{c}.parquet" for c in (1, 2, 3, 4, 5, 6, 0)]
+    assert [r.shard for r in fresh.changed_items(RUN, cursor)[1]] == ["w0-00000006.parquet", "w0-00000000.parquet"]
+    compact_run(store, RUN, target_bytes=1 << 30)
+    assert ShardStore(tmp_path).compacted(RUN)
