@@ -394,16 +394,23 @@ string object per value (`_shared_strings`), not one each (~50 bytes and ~40 ns 
 
 
 def _shared_strings(column: pa.ChunkedArray) -> list[Any]:
-    """`column.to_pylist()`, with one Python object per distinct value."""
+    """`column.to_pylist()`, with one Python object per distinct value.
+
+    Arrow's dictionary_encode through `pyarrow._compute` (the function `pc.dictionary_encode` calls) and the codes
+    read from their buffer: `pyarrow.compute`'s Python module and `Array.to_numpy` (which imports pandas) stay out of
+    a start-up, as everywhere in the store's read path."""
     import numpy as np
-    import pyarrow.compute as pc
 
     if column.null_count or not len(column):
         return column.to_pylist()
-    encoded = pc.dictionary_encode(column).combine_chunks()
+    try:
+        from pyarrow._compute import call_function
+    except ImportError:  # pragma: no cover - pyarrow moved its private module
+        return column.to_pylist()
+    encoded = call_function("dictionary_encode", [column.combine_chunks()])
     values = np.empty(len(encoded.dictionary), dtype=object)
     values[:] = encoded.dictionary.to_pylist()
-    return values[encoded.indices.to_numpy(zero_copy_only=False)].tolist()
+    return values[int64_values(encoded.indices)].tolist()
 
 
 def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail | None:
