@@ -116,6 +116,36 @@ def summarized_index(shards: list[NewShard], summaries: list[dict[str, Any]]) ->
         at += shard.rows
 
 
+class OwnFiles:
+    """Shards in their own files whose records carry their index summary: their paths as strings (a Path costs ~4 us
+    to build: seconds at a million shards) and whether each is there, by a size look each for the first LIST_AT of
+    a run, then by one listing of the run's `shards/` (where the store can list it)."""
+
+    def __init__(self, store: StoreReader, size_of: Callable[[Any], int | None] | None = None) -> None:
+        self.store = store
+        self.size_of = size_of or store.file_size
+        self._list: Callable[[str], set[str]] | None = getattr(store, "shard_names", None)
+        self._bases: dict[str, str] = {}
+        self._looked: dict[str, int] = {}
+        self._names: dict[str, set[str]] = {}
+
+    def path(self, run_id: str, name: str) -> str:
+        base = self._bases.get(run_id)
+        if base is None:
+            base = self._bases[run_id] = str(self.store.shard_path(run_id, "x"))[:-1]
+        return base + name
+
+    def present(self, run_id: str, name: str, path: str, size: int) -> bool:
+        """Whether shard `name` (at `path`, `size` bytes by its record) is there."""
+        names = self._names.get(run_id)
+        if names is None:
+            looked = self._looked[run_id] = self._looked.get(run_id, 0) + 1
+            if looked < LIST_AT or self._list is None:
+                return self.size_of(path) == size
+            names = self._names[run_id] = self._list(run_id)
+        return name in names
+
+
 def read_index(path: Path | str, filesystem: pa.fs.FileSystem | None = None) -> pa.Table:
     # ParquetFile, not pq.read_table: the latter imports pyarrow.dataset and pandas (~0.5 s of a start-up).
     with pq.ParquetFile(path, filesystem=filesystem) as parquet:
@@ -130,27 +160,28 @@ class Locator:
 
     def __init__(self, store: StoreReader) -> None:
         self.store = store
-        self._records: dict[str, dict] = {}
+        self._records: dict[str, Any] = {}
         self._paths: dict[tuple[str, str], Path | str] = {}
-        self._summarized: dict[str, int] = {}
-        self._listed: dict[str, set[str]] = {}
-        self._own: dict[str, tuple[Any, str, Callable[[str], set[str]] | None]] = {}
+        self._own_files = OwnFiles(store)
+
+    def _snapshot(self, run_id: str) -> Any:
+        """The run's records, read once: `current` (Records) where the store has it, else `committed` (a dict)."""
+        records = self._records.get(run_id)
+        if records is None:
+            current = getattr(self.store, "current", None)
+            records = self._records[run_id] = current(run_id) if current is not None else self.store.committed(run_id)
+        return records
 
     def locate(self, run_id: str, shard: str) -> tuple[Path | str, int]:
         where = getattr(self.store, "where", None)
         if where is not None:  # a local store: no record made (nor a copy of every record, blocks included)
             if getattr(self.store, "current", None) is not None:  # from one snapshot (not a stat of the log each)
-                records = self._records.get(run_id)
-                if records is None:
-                    records = self._records[run_id] = self.store.current(run_id)
-                where = lambda _, name: records.where(name)  # noqa: E731
-            found = where(run_id, shard)
+                found = self._snapshot(run_id).where(shard)
+            else:
+                found = where(run_id, shard)
             name, offset = found if found is not None else (shard, 0)
         else:
-            records = self._records.get(run_id)
-            if records is None:
-                records = self._records[run_id] = self.store.committed(run_id)
-            record = records.get(shard)
+            record = self._snapshot(run_id).get(shard)
             name, offset = (record.physical, record.row_offset) if record is not None else (shard, 0)
         path = self._paths.get((run_id, name))
         if path is None:
@@ -159,34 +190,16 @@ class Locator:
 
     def own_file(self, run_id: str, shard: str, rows: int) -> tuple[str, dict[str, Any]] | None:
         """(path, index summary) of a shard in its own file, from its commit record, if the record carries a summary
-        of `rows` rows and the file is there; else None (the caller locates and reads the file, and reports it if
-        it is gone). Presence as in `scan_new_shards`: a stat (size) each for the first LIST_AT of a run, then one
-        listing of its `shards/`. The path is a string (a Path costs ~4 us to build: seconds at a million shards)."""
-        run = self._own.get(run_id)
-        if run is None:
-            run = self._own[run_id] = self._own_run(run_id)
-        records, base, shard_names = run
+        of `rows` rows and the file is there (`OwnFiles`, as `scan_new_shards` looks); else None (the caller
+        locates and reads the file, and reports it if it is gone). A shard that is not a record of its own in
+        `Records` (absent, or a member of a compacted block) is not in its own file: this looks in the plain dict
+        of records, not into the blocks."""
+        records = self._snapshot(run_id)
         record = (records._items if type(records) is Records else records).get(shard)
         if record is None or type(record) is Block or record.index is None or record.file or record.rows != rows:
             return None
-        path = base + shard
-        names = self._listed.get(run_id)
-        if names is None:
-            seen = self._summarized[run_id] = self._summarized.get(run_id, 0) + 1
-            if seen < LIST_AT or shard_names is None:
-                return (path, record.index) if self.store.file_size(path) == record.bytes else None
-            names = self._listed[run_id] = shard_names(run_id)
-        return (path, record.index) if shard in names else None
-
-    def _own_run(self, run_id: str) -> tuple[Any, str, Callable[[str], set[str]] | None]:
-        """For `own_file`: the run's records, its shards' directory as a string, and the store's listing of it
-        (if it has one). A shard that is not a record of its own in `Records` (absent, or a member of a compacted
-        block) is not in its own file: `own_file` looks in the plain dict of records, not into the blocks."""
-        current = getattr(self.store, "current", None)
-        records = self._records.get(run_id)
-        if records is None:
-            records = self._records[run_id] = current(run_id) if current is not None else self.store.committed(run_id)
-        return records, str(self.store.shard_path(run_id, "x"))[:-1], getattr(self.store, "shard_names", None)
+        path = self._own_files.path(run_id, shard)
+        return (path, record.index) if self._own_files.present(run_id, shard, path, record.bytes) else None
 
 
 class IndexCache:
@@ -276,14 +289,7 @@ def scan_new_shards(
             path = paths[name] = store.shard_path(run_id, name)
         return path
 
-    bases: dict[str, str] = {}
-
-    def own_path(run_id: str, name: str) -> str:
-        """A shard's own file as a string (not a Path: ~4 us each to build, seconds at a million shards)."""
-        base = bases.get(run_id)
-        if base is None:
-            base = bases[run_id] = str(store.shard_path(run_id, "x"))[:-1]
-        return base + name
+    own = OwnFiles(store, size_of)
 
     def finish_commits(run_id: str) -> None:
         """Committed, not yet renamed into place: a commit in flight (wait for it) or one cut short by a crash
@@ -317,13 +323,10 @@ def scan_new_shards(
     cursors = _cursors.setdefault(store, {})
     changed_items = getattr(store, "changed_items", None)
     index_summary = getattr(store, "index_summary", None)
-    shard_names = getattr(store, "shard_names", None)
     for run_id in runs:
         paths.clear()
         summarized: list[NewShard] = []
         summaries: list[dict[str, Any]] = []
-        present: set[str] | None = None
-        """The names under the run's `shards/`, listed once the scan has met LIST_AT summarized shards."""
         cursor, retry, retry_blocks = cursors.get(run_id, (None, set(), []))
         cursor, changed = changed_items(run_id, cursor) if changed_items is not None else store.changes(run_id, cursor)
         pending = [record for shard in retry if (record := store.record(run_id, shard)) is not None]
@@ -338,7 +341,6 @@ def scan_new_shards(
         if store.filesystem is not None:  # an object store: every look is a request, so make them concurrently
             _read_ahead(store, run_id, [r for r in records if type(r) is not Block and (run_id, r.shard) not in known
                                         and not r.file], sizes, indexes)
-        listed = 0
         for record in items_of(run_id, records):
             if type(record) is Block:
                 path = path_of(run_id, record.file)
@@ -371,11 +373,8 @@ def scan_new_shards(
                 continue  # indexed as a member of a block
             summary = record.index if not record.file else None
             if summary is not None:  # its index from its record: only its presence to check, not its columns
-                listed += 1
-                if present is None and listed >= LIST_AT and shard_names is not None:
-                    present = shard_names(run_id)
-                path = (bases.get(run_id) or own_path(run_id, "")) + name
-                if (name in present) if present is not None else size_of(path) == record.bytes:
+                path = own.path(run_id, name)
+                if own.present(run_id, name, path, record.bytes):
                     shard = NewShard(run_id, name, path, record.rows, None, 0)  # its index: summarized_index
                     summarized.append(shard)
                     summaries.append(summary)
