@@ -105,15 +105,22 @@ LIST_AT = 256
 and takes a shard's name there for its presence, instead of a stat each (~20 us: 20 s at a million shards)."""
 
 
+def summaries_table(summaries: list[dict[str, Any]], rows: list[int]) -> tuple[pa.Table, list[int]]:
+    """One index table made from shards' record summaries (in order, `rows` each) and where each shard starts in it."""
+    starts, at = [], 0
+    for count in rows:
+        starts.append(at)
+        at += count
+    return table_of_many(summaries), starts
+
+
 def summarized_index(shards: list[NewShard], summaries: list[dict[str, Any]]) -> None:
     """Give `shards` (in order) one index table made from their records' summaries, each its place in it."""
     if not shards:
         return
-    table = table_of_many(summaries)
-    at = 0
-    for shard in shards:
+    table, starts = summaries_table(summaries, [shard.rows for shard in shards])
+    for shard, at in zip(shards, starts):
         shard.file_index, shard.index_offset = table, at
-        at += shard.rows
 
 
 class OwnFiles:

@@ -327,7 +327,7 @@ class BatchService:
         blocks = self.state.source_blocks()
         taken: TakenRows | None = None
         if sources or blocks:  # an idle service with nothing indexed does not load pyarrow and the store
-            from factory.serve.follower import IndexCache, Locator
+            from factory.serve.follower import IndexCache, Locator, summaries_table
 
             taken = self.state.taken_rows()
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
@@ -360,16 +360,13 @@ class BatchService:
 
         def enqueue() -> None:
             """Queue `ranges`, the shards among them whose records carry their index given one table made from
-            those summaries first (`follower.summarized_index`: their files are not opened)."""
+            those summaries first (`follower.summaries_table`: their files are not opened)."""
             nonlocal ranges
             if deferred:
-                from factory.index_runs import table_of_many
-
-                table, at = table_of_many(summaries), 0
-                for position in deferred:
+                table, starts = summaries_table(summaries, [ranges[position][2] for position in deferred])
+                for position, at in zip(deferred, starts):
                     _, _, rows_, source_ = ranges[position]
                     ranges[position] = (table, at, rows_, source_)
-                    at += rows_
                 deferred.clear()
                 summaries.clear()
             self._enqueue_ranges(ranges, taken)
