@@ -16,16 +16,16 @@ next fold deletes the leftover files. A run written before folding (per-chunk fi
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
 import re
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from factory.gc_pause import gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -100,21 +100,6 @@ def totals(chunks: dict[int, dict[str, Any]]) -> dict[str, Any]:
             flow_runs[str(run)] += 1
     return {"chunks": len(chunks), **{key: out[key] for key in TOTAL_KEYS}, "score_sum": score_sum,
             "score_sum_milli": score_sum_milli, "dropped": dict(dropped), "flow_runs": dict(flow_runs)}
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a reader loads many parsed stats that stay alive a while (the viewer's
-    index, a resume's replay, a segment being summed): each collection walks every object alive, so a viewer's
-    first look at 20k chunks spent ~70% of its time collecting (bench.shards.stats_fold: 8.4-10.4 s with, 2.3-2.9 s
-    without). Parsed JSON holds no cycles; anything else is collected after, as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 Listing = tuple[list[tuple[str, str]], dict[tuple[str, int], str]]

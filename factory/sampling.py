@@ -28,9 +28,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from factory.chunk_stats import Restore, gc_paused
+from factory.chunk_stats import Restore
 from factory.chunk_stats import chunk_stats_name as chunk_stats_name  # where it was defined before
 from factory.curriculum import Curriculum, CurriculumSettings, ItemOutcome
+from factory.gc_pause import gc_paused
 from factory.store import ShardStore
 
 logger = logging.getLogger(__name__)

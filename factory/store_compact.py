@@ -43,7 +43,6 @@ before stays served: the served state is keyed by shard name and row.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import logging
 import os
@@ -61,6 +60,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from factory.commit_log import encode_line, fsync_dir
+from factory.gc_pause import gc_paused
 from factory.index_runs import INDEX_COLUMNS, summarize
 from factory.parquet_concat import ConcatRefused, ParquetConcat
 from factory.parquet_pages import PageMerge
@@ -193,12 +193,8 @@ def compact_run(
     removals = _Removals(store, run_id)
     # No cyclic garbage collection while merging: the log's records (an object or more per shard, none of them
     # garbage) are walked by every full collection, and each merged file's record moves thousands of them (~6% of
-    # the compaction's CPU at 100k shards, bench/RESULTS.md). What is allocated meanwhile (bytes, footers) is freed
-    # by reference counts. Process-wide, as run-api's start-up (factory/serve/service.py `_bulk_load`): other
-    # threads' cyclic garbage is only found after it.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    # the compaction's CPU at 100k shards, bench/RESULTS.md). What is allocated meanwhile is freed by reference counts.
+    with gc_paused():
         try:
             # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
             pending = [item for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
@@ -212,9 +208,6 @@ def compact_run(
             removals.finish()
         if report.shards >= MANIFEST_EVERY_LINES:
             checkpoint(store, run_id)
-    finally:
-        if collecting:
-            gc.enable()
     report.seconds = time.perf_counter() - start
     return report
 

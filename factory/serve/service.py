@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from environments.groups import ScoredGroup
+from factory.gc_pause import gc_paused
 from factory.serve.config import ServeConfig
 from factory.serve.contract import SEQUENCE_FIELDS, PayloadError
 from factory.serve.http import gzip_compress, gzip_compressor
@@ -106,15 +107,12 @@ def _bulk_load(sources: dict[int, Any]) -> Any:
     later collections, which would otherwise walk it once more right away, 0.7 s at 300k, and at every full
     collection after; objects are still freed by their reference counts, only cyclic garbage of that moment is
     kept). Process-wide: other threads' cyclic garbage is only found later."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if len(sources) >= FREEZE_MIN_SOURCES:
-            gc.freeze()
-        if enabled:
-            gc.enable()
+    with gc_paused():
+        try:
+            yield
+        finally:
+            if len(sources) >= FREEZE_MIN_SOURCES:
+                gc.freeze()
 
 
 def _int64s(column: Any, null: int = 0) -> Any:

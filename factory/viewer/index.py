@@ -34,8 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from factory.chunk_stats import VIEW_KEYS, gc_paused, segment_view
+from factory.chunk_stats import VIEW_KEYS, segment_view
 from factory.chunk_stats import parse_name as parse_stats_name
+from factory.gc_pause import gc_paused
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
 from factory.store_records import Block
