@@ -294,14 +294,12 @@ class Folder:
             if self.leftovers:
                 self.leftovers = delete_files(self.store, self.run_id, self.leftovers)
             return None
-        try:
-            name = write_segment(self.store, self.run_id, self.producer, self.unfolded)
+        try:  # (the deletions after the segment's write do not raise: they come back as `leftovers`)
+            name, self.leftovers = fold(self.store, self.run_id, self.producer, self.unfolded, self.leftovers)
         except (OSError, RuntimeError) as error:  # StoreError is a RuntimeError
             logger.warning("folding %d chunk stats files of %s failed (kept as they are): %s", len(self.unfolded),
                            self.producer, error)
             return None
-        names = [*(chunk_stats_name(self.producer, chunk) for chunk in self.unfolded), *self.leftovers]
         self.unfolded = {}
-        self.leftovers = delete_files(self.store, self.run_id, names)
         self.segments.append(name)
         return name
