@@ -103,17 +103,22 @@ def test_rss_after_a_drain_is_back_near_idle_and_the_drain_stays_under_the_inges
         assert drain(api.url) == GROUPS
         drain_peak = status_mib(pid)["VmHWM"]
         after = status_mib(pid)
-        deadline = time.monotonic() + 5  # whatever is given back is given back by the "no batch" answer already
-        while after["VmRSS"] > 1.2 * idle["VmRSS"] and time.monotonic() < deadline:
+        deadline = time.monotonic() + 5  # the "no batch" answer gives it back already; a busy machine gets 5 s
+        while not settled(idle, after) and time.monotonic() < deadline:
             time.sleep(0.2)
             after = status_mib(pid)
 
     detail = f"idle {idle}, ingest peak {ingest_peak:.1f}, drain peak {drain_peak:.1f}, after the drain {after}"
     assert ingest_peak > idle["VmRSS"] + 5, detail  # the load did use memory (else the bounds below prove nothing)
-    # Both peaks are one batch being formed (during ingest, the prefetch once a batch's worth has arrived): they
-    # came out within -2 .. +2.6 MiB of each other (2%) in 9 runs; a drain that piled batches up is far above.
+    # Here the 64-group posts set the ingest's peak (184-195 MiB, the drain's 128-132). With one group per request
+    # only, both peaks are one batch being formed (the prefetch, during ingest) and came out within -1.7 .. +2.6 MiB
+    # of each other: hence 1.05x, not 1x. A drain that piled batches up (issue 29: 199 -> 475 MiB) is far above.
     assert drain_peak <= 1.05 * ingest_peak, detail
-    assert after["VmRSS"] <= 1.2 * idle["VmRSS"], detail
-    # The heap itself: 0.1-2.1 MiB above idle in 11 runs. The group committer keeping its last commit's rows (64
-    # groups here) came out 8.5-9.1 MiB above; Arrow's mimalloc pool as the C++ default (freed pages kept) 11.5.
-    assert after["RssAnon"] <= idle["RssAnon"] + 5, detail
+    assert settled(idle, after), detail
+
+
+def settled(idle: dict[str, float], after: dict[str, float]) -> bool:
+    """Issue 29's bound, RSS within 20% of idle, and the heap itself (RssAnon) within 5 MiB of idle: 0.1-2.1 MiB in
+    our runs; the group committer keeping its last commit's rows (64 groups here) came out 8.5-9.1 MiB above,
+    Arrow's mimalloc pool as the C++ default (freed pages kept) 11.5."""
+    return after["VmRSS"] <= 1.2 * idle["VmRSS"] and after["RssAnon"] <= idle["RssAnon"] + 5
