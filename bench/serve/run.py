@@ -16,7 +16,11 @@ one group per request, then 64 per request; then a trainer drains the queue
 through /batch (256 sequences a batch; timed to the parsed JSON, and to the
 gunzipped body before parsing, which is the server's part plus transfer and
 gunzip). Server RSS is sampled every 50 ms: idle (registered, nothing queued),
-peak during ingest, peak during the drain, and 1 s after the queue is empty.
+peak during ingest, peak during the drain, and 1 s after the queue is empty;
+its anonymous part (RssAnon: heap, Python objects) is given beside idle and
+after the drain, since the rest (RssFile) is mostly pages of the libraries the
+first post loads (pyarrow, numpy: ~40 MiB that stay mapped for the process's
+life, bench/RESULTS.md issue 29).
 `--gzip`, `--session-per-post` and `--warmup N` bring back the older load
 (gzip-9 bodies, a new session per post, N untimed posts first).
 
@@ -162,6 +166,19 @@ def rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / (1 << 20)
 
 
+def rss_anon_mib(pid: int) -> float:
+    """RssAnon of the process tree (Linux; NaN elsewhere): RSS less the pages backed by files (shared libraries)."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for one in [process, *process.children(recursive=True)]:
+        try:
+            text = Path(f"/proc/{one.pid}/status").read_text()
+        except OSError:
+            return float("nan")
+        total += next((int(line.split()[1]) for line in text.splitlines() if line.startswith("RssAnon:")), 0) / 1024
+    return total
+
+
 def cpu_s(pid: int) -> float:
     process = psutil.Process(pid)
     return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
@@ -193,7 +210,7 @@ def measure(name: str, n_single: int, n_list: int, load: Load) -> dict[str, floa
                 asyncio.run(post_all(api.url, warmup, "/scored_data", load))
             pid = api.process.pid
             time.sleep(1.0)
-            rss_idle = rss_mib(pid)
+            rss_idle, anon_idle = rss_mib(pid), rss_anon_mib(pid)
             sampler = RssSampler(pid)
             sampler.phase = "ingest"
             cpu0 = cpu_s(pid)
@@ -222,7 +239,7 @@ def measure(name: str, n_single: int, n_list: int, load: Load) -> dict[str, floa
                 sampler.phase = "after drain"
                 time.sleep(1.0)
             sampler.stop()
-            rss_drained = rss_mib(pid)
+            rss_drained, anon_drained = rss_mib(pid), rss_anon_mib(pid)
             return {
                 "ingest groups/s (1 per request)": n_single / t_single,
                 "ingest groups/s (64 per request)": n_list / t_list,
@@ -238,6 +255,8 @@ def measure(name: str, n_single: int, n_list: int, load: Load) -> dict[str, floa
                 "server RSS MiB peak during ingest": sampler.peaks.get("ingest", rss_ingested),
                 "server RSS MiB peak during drain": sampler.peaks.get("drain", rss_ingested),
                 "server RSS MiB 1 s after the drain": rss_drained,
+                "server RssAnon MiB idle": anon_idle,
+                "server RssAnon MiB 1 s after the drain": anon_drained,
             }
 
 

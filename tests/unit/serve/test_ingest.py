@@ -147,3 +147,23 @@ def test_a_second_writer_commits_while_the_first_is_in_flight(tmp_path):
     assert asyncio.run(scenario()) == [1, 2]
     assert most[0] == 2
     assert sorted(record.rows for record in store.committed("api").values()) == [1, 2]
+
+
+def test_the_committer_keeps_no_rows_once_their_commit_is_answered(tmp_path):
+    """Its loop kept the last commit's requests (up to max_groups decoded groups) as locals while it waited for the
+    next post: a server that went idle after a burst of 64-group posts held them (issue 29's RSS after a drain)."""
+    import sys
+
+    async def scenario() -> tuple[int, int]:
+        committer, _ = await _committer(tmp_path, linger_s=0.0)
+        rows = _rows(4, 1)
+        before = sys.getrefcount(rows)
+        await committer.submit(rows)
+        for _ in range(5):  # the commit task's callbacks and the loop's next turn
+            await asyncio.sleep(0)
+        after = sys.getrefcount(rows)
+        await committer.stop()
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    assert after == before
