@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import msgspec
 import orjson
 
@@ -22,11 +21,13 @@ from factory.export.config import SourceConfig
 from factory.serve.contract import ARROW_STREAM
 
 if TYPE_CHECKING:
+    import httpx
     import numpy as np
     import pyarrow as pa
 
-# pyarrow and numpy (~0.25 s of start-up) are imported where a store or an Arrow /batch is read, not at import:
-# an export from Atropos's API (JSON /batch) never needs them.
+# pyarrow and numpy (~0.25 s of start-up) are imported where a store or an Arrow /batch is read, and httpx where an
+# API is, not at import: an export from Atropos's API (JSON /batch) never needs the first two, one from a store never
+# needs httpx.
 
 logger = logging.getLogger(__name__)
 
@@ -357,6 +358,8 @@ def iter_api_groups(
     stops reading (its row limit), as Atropos's CLIs do. `on_idle` is called while no batch is there (it may raise
     to end the export).
     """
+    import httpx
+
     url = (config.api_url or "").rstrip("/")
     own_client = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0))
@@ -407,6 +410,8 @@ def iter_api_groups(
 
 
 def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    import httpx
+
     try:
         response = client.request(method, url, **kwargs)
     except (httpx.HTTPError, httpx.InvalidURL) as error:
