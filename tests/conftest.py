@@ -16,6 +16,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Tokenizer decoders the export CLIs save (factory/export/decode_cache.py): not into ~/.cache from tests; the export
+# tests that exercise them point this at their tmp dir.
+os.environ.setdefault("FACTORY_DECODE_CACHE", "off")
 # Inherited by every process the tests start: pytest_sessionfinish fails the run if one outlives the tests.
 os.environ.setdefault("FACTORY_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 # Run from a venv (scripts/setup.sh's ./.venv) without activating it, `.venv/bin/python -m pytest`: what the tests

@@ -1,13 +1,13 @@
 """SFT export rows/s: the factory's `atropos-sft-gen` (shard store) vs atroposlib's `atropos-sft-gen` (run-api).
 
-    ATROPOS_VENV=/work/.venv-atropos python -m bench.export.run --groups 1024   # 3 interleaved rounds
+    ATROPOS_VENV=/work/.venv-atropos python -m bench.export.run    # issue 29's size: 2048 groups x 8 x 1024 tokens
     python -m bench.export.run --smoke                                          # seconds (CI)
     python -m bench.export.run --api --groups 2048    # both CLIs with --api-url against their own run-api: CLI CPU per row
                                                       # (ours twice: Arrow /batch, and JSON /batch with --api-json)
     python -m bench.export.run --memory 100000,1000000    # peak RSS of exports of two sizes
     BENCH_DEDUP=0 python -m bench.export.run --memory ...  # the same without the dedup set
 
-Both sides get the same synthetic groups (8 sequences each) and the same rules
+Both sides get the same synthetic groups (8 sequences of `--seq-len` tokens each) and the same rules
 (top 3 per group, positive scores, message lists). Atropos's CLI reads them
 from its run-api, which the bench starts in atroposlib's venv and fills through
 /scored_data_list once the CLI has registered; the factory reads the store.
@@ -39,29 +39,28 @@ from bench.atropos_venv import atropos_available, atropos_python  # noqa: E402
 from factory.inference.local_server import free_port  # noqa: E402
 from factory.store import ShardStore  # noqa: E402
 from factory.synthetic import synthetic_group  # noqa: E402
+from environments.groups import GROUP_WIRE_FIELDS  # noqa: E402
 
 GROUP_SIZE = 8
 TOP_N = 3
 
 
-def make_store(root: Path, groups: int, seq_len: int = 64) -> list[dict]:
-    """Commit `groups` synthetic groups in chunks of 256; return them as Atropos wire dicts."""
+def make_store(root: Path, groups: int, seq_len: int = 64) -> tuple[list[bytes], int]:
+    """Commit `groups` synthetic groups in chunks of 256. Returns the chunks as JSON bodies for Atropos's
+    /scored_data_list (lists of wire dicts; bytes, not Python objects: at 8 x 1024 tokens a group is ~250 KB of JSON)
+    and the rows an export of them writes."""
     store = ShardStore(root)
-    wire, chunk = [], []
+    bodies, chunk, rows = [], [], 0
     for index in range(groups):
         group = synthetic_group(index, group_size=GROUP_SIZE, seq_len=seq_len, run_id="bench")
         chunk.append(group)
-        wire.append(json.loads(group.model_dump_json(include=set(group.wire_dict()))))
-        if len(chunk) == 256:
+        rows += min(TOP_N, sum(1 for s in group.scores if s > 0))
+        if len(chunk) == 256 or index == groups - 1:
             store.commit("bench", "w0", index // 256, chunk)
+            fields = set(GROUP_WIRE_FIELDS)
+            bodies.append(b"[" + b",".join(g.model_dump_json(include=fields).encode() for g in chunk) + b"]")
             chunk = []
-    if chunk:
-        store.commit("bench", "w0", groups // 256, chunk)
-    return wire
-
-
-def expected_rows(wire: list[dict]) -> int:
-    return sum(min(TOP_N, sum(1 for s in g["scores"] if s > 0)) for g in wire)
+    return bodies, rows
 
 
 def tiny_tokenizer(directory: Path) -> Path:
@@ -104,7 +103,7 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def export_through_api(api_command: list[str], cli_command: list[str], wire: list[dict], work: Path, port: int,
+def export_through_api(api_command: list[str], cli_command: list[str], wire: list[bytes], work: Path, port: int,
                        out: Path, env: dict[str, str]) -> tuple[float, int, float]:
     """Start a run-api, start an exporter CLI against it, fill the API once the CLI has registered; wait for the CLI.
 
@@ -121,8 +120,9 @@ def export_through_api(api_command: list[str], cli_command: list[str], wire: lis
             while client.get(f"{url}/info").json().get("batch_size", -1) == -1:  # the CLI (resets, then) registers
                 time.sleep(0.05)
             started = time.perf_counter()
-            for start in range(0, len(wire), 256):
-                client.post(f"{url}/scored_data_list", json=wire[start : start + 256]).raise_for_status()
+            for body in wire:
+                client.post(f"{url}/scored_data_list", content=body,
+                            headers={"content-type": "application/json"}).raise_for_status()
         if cli.wait(timeout=3600) != 0:
             raise RuntimeError(f"{cli_command[0]} failed")
         seconds = time.perf_counter() - started
@@ -137,14 +137,14 @@ def _offline_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def run_atropos(wire: list[dict], rows: int, work: Path, port: int, out: Path) -> tuple[float, int, float]:
+def run_atropos(wire: list[bytes], rows: int, work: Path, port: int, out: Path) -> tuple[float, int, float]:
     bin_dir = atropos_python().parent
     cli = [str(bin_dir / "atropos-sft-gen"), "--group-size", str(GROUP_SIZE), "--tokenizer", str(tiny_tokenizer(work / "tok")),
            "--save-messages", "--save-top-n-per-group", str(TOP_N), "--num-seqs-to-save", str(rows)]
     return export_through_api([str(bin_dir / "run-api"), "--port", str(port)], cli, wire, work, port, out, _offline_env())
 
 
-def run_factory_api(wire: list[dict], rows: int, work: Path, port: int, out: Path, *, json_batches: bool = False
+def run_factory_api(wire: list[bytes], rows: int, work: Path, port: int, out: Path, *, json_batches: bool = False
                     ) -> tuple[float, int, float]:
     """The factory's atropos-sft-gen with --api-url against the factory's run-api (a fresh store each time).
 
@@ -177,12 +177,12 @@ def _side(run, rows: int, out: Path):
     return measure
 
 
-def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool, through_api: bool = False) -> None:
+def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool, through_api: bool = False,
+          seq_len: int = 1024) -> None:
     """Both exporters in interleaved rounds over the same groups (atroposlib's the baseline)."""
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         work = Path(tmp)
-        wire = make_store(work / "store", groups)
-        rows = expected_rows(wire)
+        wire, rows = make_store(work / "store", groups, seq_len)
         if through_api:
             sides = [harness.Side("factory atropos-sft-gen --api-url (factory run-api, Arrow /batch)",
                                   _side(lambda out: run_factory_api(wire, rows, work, free_port(), out), rows,
@@ -197,9 +197,10 @@ def speed(groups: int, *, pairs: int, json_out: Path | None, with_atropos: bool,
             sides.insert(0, harness.Side("atroposlib 0.4.0 atropos-sft-gen (run-api)",
                                          _side(lambda out: run_atropos(wire, rows, work, free_port(), out), rows,
                                                work / "atropos_sft.jsonl")))
-        result = harness.compare("export", sides, pairs=pairs, json_out=json_out, label=f"{groups} groups")
-    harness.print_comparison(result, title=f"SFT export of {groups} groups x {GROUP_SIZE} (top {TOP_N}, positive "
-                                           f"scores, messages, no dedup): {rows} rows each", json_out=json_out)
+        result = harness.compare("export", sides, pairs=pairs, json_out=json_out,
+                                 label=f"{groups} groups x {GROUP_SIZE} x {seq_len} tokens")
+    harness.print_comparison(result, title=f"SFT export of {groups} groups x {GROUP_SIZE} x {seq_len} tokens (top {TOP_N}, "
+                                           f"positive scores, messages, no dedup): {rows} rows each", json_out=json_out)
 
 
 def _rss_child(store: str, out: str) -> None:
@@ -242,7 +243,10 @@ def memory(sizes: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=1024, help="Groups for the side-by-side run (a multiple of 64).")
+    parser.add_argument("--groups", type=int, default=2048,
+                        help="Groups for the side-by-side run (default 2048: issue 29's ~2000 distinct groups)")
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="Tokens per sequence (default 1024, issue 29's size; runs before 2026-11-27 used 64)")
     parser.add_argument("--memory", default=None, help="Comma-separated store sizes (groups) for the peak-RSS run.")
     parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's exporter")
     parser.add_argument("--api", action="store_true", help="the factory's CLI reads through its run-api (--api-url), as Atropos's does")
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     with_atropos = not args.skip_atropos
     if args.smoke:
-        args.groups = 64
+        args.groups, args.seq_len = 64, 64
         args.memory = args.memory and "256"
         if with_atropos and not atropos_available():
             print("[bench] no Atropos venv (bench/atropos_venv.py); smoke run leaves that side out", file=sys.stderr)
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         memory([int(s) for s in args.memory.split(",")])
     else:
         speed(args.groups, pairs=harness.pairs_from(args), json_out=harness.json_path("export-api" if args.api else "export", args),
-              with_atropos=with_atropos, through_api=args.api)
+              with_atropos=with_atropos, through_api=args.api, seq_len=args.seq_len)
 
 
 if __name__ == "__main__":

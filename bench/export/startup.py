@@ -3,10 +3,16 @@
 A stdlib HTTP server stands in for run-api: it answers /reset_data and /register, then serves one batch of
 `--groups` groups on the first GET /batch. Per run it records, from the CLI's launch: when /register arrived,
 and when the CLI exited after writing `--rows` rows (text rows decoded with the starter policy's tokenizer, or
-message rows with --save-messages). Nothing is written inside the repo.
+message rows with --save-messages), and the CPU seconds the CLI used (user + system; steadier than the times on a
+loaded machine). Nothing is written inside the repo.
 
     python -m bench.export.startup --pairs 5            # text rows (both CLIs load the tokenizer)
     python -m bench.export.startup --pairs 5 --save-messages
+    python -m bench.export.startup --pairs 5 --cold      # also ours without its saved decoder (transformers loaded)
+    python -m bench.export.startup --pairs 5 --baseline /tmp/main-copy   # also the factory CLI of another checkout
+
+Text rows: the factory CLI decodes with the decoder an earlier run saved (factory/export/decode_cache.py; one untimed
+run saves it, in a temporary directory), as every run after a tokenizer's first does; `--cold` adds the first-run case.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -76,16 +83,25 @@ def _groups(count: int) -> list[dict]:
     return out
 
 
-def _one(command: list[str], out: Path) -> tuple[float, float]:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _one(command: list[str], out: Path, root: Path = ROOT, env: dict[str, str] | None = None
+         ) -> tuple[float, float, float]:
+    """(/register at, exit at, the CLI's CPU seconds: user + system, all its threads) of one run."""
     _Api.registered_at, _Api.served = None, False
     out.unlink(missing_ok=True)
+    cpu_before = _children_cpu_s()
     started = time.perf_counter()
-    result = subprocess.run([*command, str(out)], capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    # cwd=root: `python -c` imports from the current directory first (a --baseline checkout is not shadowed)
+    result = subprocess.run([*command, str(out)], capture_output=True, text=True, cwd=root,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root), **(env or {})})
     ended = time.perf_counter()
     if result.returncode != 0 or _Api.registered_at is None:
         raise RuntimeError(f"{command[0]} failed: {result.stderr[-2000:]}")
-    return _Api.registered_at - started, ended - started
+    return _Api.registered_at - started, ended - started, _children_cpu_s() - cpu_before
 
 
 def main() -> None:
@@ -94,6 +110,10 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--save-messages", action="store_true")
+    parser.add_argument("--cold", action="store_true",
+                        help="Also run the factory CLI without its saved decoder (FACTORY_DECODE_CACHE=off)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="Also run the factory CLI of this checkout (e.g. a `git archive` of main), interleaved")
     args = parser.parse_args()
     _Api.batch = json.dumps({"batch": _groups(args.groups)}).encode()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
@@ -101,23 +121,30 @@ def main() -> None:
     url = f"http://127.0.0.1:{server.server_address[1]}"
     common = ["--api-url", url, "--group-size", "4", "--tokenizer", str(TOKENIZER), "--num-seqs-to-save",
               str(args.rows), *(["--save-messages"] if args.save_messages else [])]
-    sides = {
-        "atroposlib 0.4.0": [str(atropos_python().parent / "atropos-sft-gen"), *common],
-        "factory": [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", *common],
-    }
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    ours = [sys.executable, "-c", "from factory.export.cli import sft_main; sft_main()", *common]
     with tempfile.TemporaryDirectory() as work:
+        saved = {"FACTORY_DECODE_CACHE": str(Path(work) / "decoders")}
+        sides = {"atroposlib 0.4.0": ([str(atropos_python().parent / "atropos-sft-gen"), *common], ROOT, None),
+                 "factory": (ours, ROOT, saved)}
+        if args.cold and not args.save_messages:
+            sides["factory, cold"] = (ours, ROOT, {"FACTORY_DECODE_CACHE": "off"})
+        if args.baseline is not None:
+            sides["factory baseline"] = (ours, args.baseline.resolve(), saved)
+        if not args.save_messages:
+            _one(ours, Path(work) / "out.jsonl", ROOT, saved)  # untimed: saves the decoder the timed runs load
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in sides}
         for _ in range(args.pairs):
-            for name, command in sides.items():
-                results[name].append(_one([command[0], *command[1:]], Path(work) / "out.jsonl"))
+            for name, (command, root, env) in sides.items():
+                results[name].append(_one(command, Path(work) / "out.jsonl", root, env))
     server.shutdown()
     mode = "message rows" if args.save_messages else "text rows"
-    print(f"export CLI start-up, {mode}, {args.pairs} interleaved pairs (seconds from launch; median [min-max])")
+    print(f"export CLI start-up, {mode}, {args.pairs} interleaved rounds (seconds from launch; median [min-max]); "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for name, runs in results.items():
-        reg = [r[0] for r in runs]
-        done = [r[1] for r in runs]
+        reg, done, cpu = ([r[i] for r in runs] for i in range(3))
         print(f"  {name:18s} /register at {statistics.median(reg):.2f} [{min(reg):.2f}-{max(reg):.2f}]   "
-              f"{args.rows} rows written, exit at {statistics.median(done):.2f} [{min(done):.2f}-{max(done):.2f}]")
+              f"{args.rows} rows written, exit at {statistics.median(done):.2f} [{min(done):.2f}-{max(done):.2f}]   "
+              f"CPU {statistics.median(cpu):.2f} [{min(cpu):.2f}-{max(cpu):.2f}]")
 
 
 if __name__ == "__main__":

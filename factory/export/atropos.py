@@ -19,9 +19,12 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from factory.export import decode_cache
 from factory.export.config import OutputConfig
 from factory.export.select import Pair
 from factory.export.source import ExportGroup
@@ -32,21 +35,43 @@ class AtroposLayoutError(ValueError):
     """A group cannot be written in Atropos's layout; the message says why and what to pass instead."""
 
 
+@contextmanager
+def imports_failing(*names: str) -> Iterator[None]:
+    """While inside, `import name` raises ImportError for each of `names` not imported yet (so a library that
+    imports an optional package when installed goes without it); afterwards they import as usual."""
+    blocked = [name for name in names if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  # find_spec(name) -> None, `import name` fails
+    try:
+        yield
+    finally:
+        for name in blocked:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
 def load_decode_tokenizer(name: str) -> Any:
-    """`AutoTokenizer.from_pretrained(name)` for decoding only: transformers imported without torch when torch is
-    not loaded yet (torch is ~2 s of start-up and no tokenizer needs it; Atropos's venv has no torch either)."""
-    blocked = "torch" not in sys.modules
-    if blocked:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # find_spec("torch") -> None: transformers skips it
+    """`AutoTokenizer.from_pretrained(name)` for decoding only.
+
+    Its decoder as saved by an earlier load (factory/export/decode_cache.py: a local dir whose decode is the Rust
+    tokenizer's, same files, same transformers) when there is one, without importing transformers; else through
+    transformers, imported without torch when torch is not loaded yet (torch is ~2 s of start-up and no tokenizer
+    needs it; Atropos's venv has no torch either) and without trio (its hub client's httpcore imports trio, ~0.1 s,
+    for async use under trio, which never happens here).
+    """
+    saved = decode_cache.load(name)
+    if saved is not None:
+        return saved
     quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ
     if quiet:
         os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # not "PyTorch was not found" on stderr
     try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        with imports_failing("torch", "trio"):
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        return AutoTokenizer.from_pretrained(name)
+            hf_logging.set_verbosity_error()
+            tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as error:  # noqa: BLE001  # OSError, ValueError, HTTP errors, a broken tokenizer.json, ...
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise AtroposLayoutError(
@@ -56,8 +81,8 @@ def load_decode_tokenizer(name: str) -> Any:
     finally:
         if quiet:
             os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
-        if blocked and sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]  # a later `import torch` in this process works as usual
+    decode_cache.save(name, tokenizer)
+    return tokenizer
 
 
 class TokenizerLoader:

@@ -10,7 +10,9 @@ refused if it exists unless `--append-to-previous`. What differs, on purpose:
   rest of the batch that crossed the limit, so its file can hold more);
 - the tokenizer is loaded only when rows are decoded text (not for
   `--save-messages`), and a path that exists is refused before /reset_data,
-  not after it;
+  not after it; a local tokenizer dir's decoder is saved after its first load
+  through transformers and read without transformers on later runs
+  (factory/export/decode_cache.py; `FACTORY_DECODE_CACHE=off` turns it off);
 - bad input ends the run with one line on stderr and a non-zero exit, not a
   traceback.
 
@@ -47,7 +49,6 @@ from factory.export.config import (
     SourceConfig,
 )
 from factory.export.pipeline import NoRowsError
-from factory.export.render import RenderError
 from factory.export.source import SourceError
 from factory.export.stats import ExportStats
 from factory.export.writer import OutputExistsError
@@ -169,6 +170,16 @@ def build_export_config(kind: str, args: argparse.Namespace) -> SftExportConfig 
     return DpoExportConfig(source=source, select=select, output=output)
 
 
+def _import_httpcore() -> None:
+    """Import httpcore (which the API source's httpx client loads when it is made) without trio and h2 (~0.1 s of
+    this CLI's start-up): it imports them when installed, for async use under trio and for HTTP/2, and the CLI's
+    one client is synchronous HTTP/1.1. Only this import goes without them; they import as usual afterwards."""
+    from factory.export.atropos import imports_failing  # noqa: PLC0415
+
+    with imports_failing("trio", "h2"):
+        import httpcore  # noqa: F401, PLC0415
+
+
 def _run(kind: str, config: SftExportConfig | DpoExportConfig, use_prefect: bool, quiet: bool) -> dict[str, Any]:
     if use_prefect:
         from flows.export import dpo_export, sft_export
@@ -176,6 +187,9 @@ def _run(kind: str, config: SftExportConfig | DpoExportConfig, use_prefect: bool
         run = sft_export if kind == "sft" else dpo_export
         return run(output=config.output, source=config.source, select=config.select)
     from factory.export.pipeline import export_dpo, export_sft  # noqa: PLC0415
+
+    if config.source.api_url:
+        _import_httpcore()
 
     def progress(stats: ExportStats) -> None:
         if not quiet:
@@ -198,7 +212,7 @@ def main(kind: str, argv: list[str] | None = None) -> int:
         problems = "; ".join(":".join([*map(str, e["loc"]), e["msg"]]) for e in error.errors())
         print(f"atropos-{kind}-gen: invalid options: {problems}", file=sys.stderr)
         return 2
-    except (OutputExistsError, SourceError, RenderError, NoRowsError, ValueError) as error:
+    except (OutputExistsError, SourceError, NoRowsError, ValueError) as error:  # ValueError: RenderError, AtroposLayout...
         print(f"atropos-{kind}-gen: {' '.join(str(error).split())}", file=sys.stderr)  # one line
         return 1
     if not args.quiet:

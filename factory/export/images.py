@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-MULTIMODAL_SKIPPED = "multimodal_needs_output_images"
+from factory.export.select import MULTIMODAL_SKIPPED  # noqa: F401  (its drop reason; defined with the others)
 IMAGE_NOT_INLINE = "image_not_inline"
 IMAGE_IN_COMPLETION = "image_in_completion"
 UNKNOWN_PART = "unknown_content_part"

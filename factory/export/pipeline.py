@@ -14,16 +14,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from factory.export import select as rules
 from factory.export.atropos import AtroposRenderer, JsonLinesWriter, TokenizerLoader
 from factory.export.config import DpoExportConfig, SftExportConfig
-from factory.export.images import MULTIMODAL_SKIPPED
-from factory.export.render import Renderer, load_tokenizer
+from factory.export.select import MULTIMODAL_SKIPPED
 from factory.export.source import ExportGroup, iter_groups
 from factory.export.stats import DedupSet, ExportStats
 from factory.export.writer import DatasetWriter
+
+if TYPE_CHECKING:
+    from factory.export.render import Renderer  # TRL rows: imported when written (pyarrow), not on Atropos's path
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +37,15 @@ class NoRowsError(RuntimeError):
 
 
 def _renderer(kind: str, config: SftExportConfig | DpoExportConfig, tokenizer: Any | None) -> Renderer | AtroposRenderer:
-    atropos = config.output.layout == "atropos"
+    if config.output.layout == "atropos":
+        if tokenizer is None and config.output.style == "text":
+            tokenizer = TokenizerLoader(config.output.tokenizer or "")
+        return AtroposRenderer(kind, config.output, tokenizer)
+    from factory.export.render import Renderer, load_tokenizer
+
     if tokenizer is None and config.output.style == "text":
-        name = config.output.tokenizer or ""
-        tokenizer = TokenizerLoader(name) if atropos else load_tokenizer(name)
-    return AtroposRenderer(kind, config.output, tokenizer) if atropos else Renderer(kind, config.output, tokenizer)
+        tokenizer = load_tokenizer(config.output.tokenizer or "")
+    return Renderer(kind, config.output, tokenizer)
 
 
 def _sft_rows(

@@ -34,6 +34,7 @@ LIMIT = "over_limit"
 NO_PAIR = "no_rejected_with_gap"
 UNPAIRED = "unpaired"
 UNRENDERABLE = "unrenderable"
+MULTIMODAL_SKIPPED = "multimodal_needs_output_images"  # a sequence with images, left out without output.images
 
 
 def _length_reason(index: int, seq_lens: list[int], completion_lens: list[int], select: SelectionConfig) -> str | None:

@@ -11,18 +11,23 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import msgspec
-import numpy as np
 import orjson
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from environments.groups import MASK_IGNORE, content_group_id, content_group_id_of_texts
 from factory.export.config import SourceConfig
-from factory.schema import ARROW_STREAM
+from factory.serve.contract import ARROW_STREAM
+
+if TYPE_CHECKING:
+    import httpx
+    import numpy as np
+    import pyarrow as pa
+
+# pyarrow and numpy (~0.25 s of start-up) are imported where a store or an Arrow /batch is read, and httpx where an
+# API is, not at import: an export from Atropos's API (JSON /batch) never needs the first two, one from a store never
+# needs httpx.
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +95,19 @@ class ExportGroup:
         return column[row].values[index].as_py()
 
 
-_NUMPY_INTS = {pa.int32(): np.int32, pa.int64(): np.int64}
-
-
 def _numpy(array: pa.Array) -> np.ndarray:
     """An int32/int64 Arrow array as a zero-copy numpy view of its values buffer (nulls read as 0).
 
     Not `to_numpy()`: pyarrow imports pandas for it, which costs ~0.3 s of CPU at the first batch of an
     export that never needs pandas.
     """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     if array.null_count:
         array = pc.fill_null(array, 0)
-    dtype = np.dtype(_NUMPY_INTS[array.type])
+    dtype = np.dtype({pa.int32(): np.int32, pa.int64(): np.int64}[array.type])
     if len(array) == 0:
         return np.zeros(0, dtype=dtype)
     return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
@@ -109,6 +115,10 @@ def _numpy(array: pa.Array) -> np.ndarray:
 
 def _lengths(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(sequences per group offsets, tokens per sequence) of a list<list<int>> column, without Python objects."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     per_group = _numpy(pc.list_value_length(column))
@@ -118,6 +128,9 @@ def _lengths(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray
 
 
 def _completion_lengths(masks: pa.Array, per_seq: np.ndarray) -> np.ndarray:
+    import numpy as np
+    import pyarrow.compute as pc
+
     values = _numpy(pc.list_flatten(pc.list_flatten(masks)))
     trained = np.concatenate([[0], np.cumsum(values != MASK_IGNORE)])
     ends = np.cumsum(per_seq)
@@ -130,6 +143,9 @@ def groups_from_batch(batch: pa.RecordBatch) -> Iterator[ExportGroup]:
     Without `tokens`/`masks` columns (nothing needs lengths or token text),
     lengths are reported as 0 and the group carries no tokens.
     """
+    import numpy as np
+    import pyarrow.compute as pc
+
     has_tokens = "tokens" in batch.schema.names
     if has_tokens:
         offsets, per_seq = _lengths(batch.column("tokens"))
@@ -169,6 +185,8 @@ def iter_store_groups(config: SourceConfig, *, need_tokens: bool = True) -> Iter
     a shard) when no length limit or token decoding needs them.
     """
     from factory.store_object import open_store  # not imported by API exports (their start-up)
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
     columns = _META_COLUMNS + (["tokens", "masks"] if need_tokens else [])
     store = open_store(config.store)
@@ -311,6 +329,8 @@ def groups_from_batch_json(body: bytes) -> list[ExportGroup] | None:
 
 def groups_from_arrow_stream(body: bytes) -> list[ExportGroup]:
     """The groups of an Arrow /batch (IPC stream of `groups_from_batch`'s columns, as the factory's run-api sends)."""
+    import pyarrow as pa
+
     try:
         reader = pa.ipc.open_stream(body)
         return [group for batch in reader for group in groups_from_batch(batch)]
@@ -338,6 +358,8 @@ def iter_api_groups(
     stops reading (its row limit), as Atropos's CLIs do. `on_idle` is called while no batch is there (it may raise
     to end the export).
     """
+    import httpx
+
     url = (config.api_url or "").rstrip("/")
     own_client = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0))
@@ -388,6 +410,8 @@ def iter_api_groups(
 
 
 def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    import httpx
+
     try:
         response = client.request(method, url, **kwargs)
     except (httpx.HTTPError, httpx.InvalidURL) as error:

@@ -12,8 +12,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 _MAX_BUCKETS = 4096
 
 
@@ -64,6 +62,9 @@ class DedupSet:
     """Set of 64-bit content hashes: a sorted numpy array plus a small buffer of recent ones."""
 
     def __init__(self, flush_at: int = 65536) -> None:
+        import numpy as np  # here, not at import: only exports that deduplicate need it (the CLIs' start-up)
+
+        self._np = np
         self.sorted = np.empty(0, dtype=np.int64)
         self.recent: set[int] = set()
         self.flush_at = flush_at
@@ -72,6 +73,7 @@ class DedupSet:
         """Add `value`; False if it was already present."""
         if value in self.recent:
             return False
+        np = self._np
         index = int(np.searchsorted(self.sorted, value))
         if index < len(self.sorted) and self.sorted[index] == value:
             return False

@@ -16,13 +16,15 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import pyarrow as pa
 
 from factory.export.config import OutputConfig
 from factory.commit_log import fsync_dir as fsync_path  # a file or a directory (factory.store's fsync_path)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class _ShardFile:
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         if self.parquet is not None:
+            import pyarrow as pa  # only Parquet outputs (not imported by the JSON lines CLIs' start-up)
+
             self.parquet.write_table(pa.Table.from_pylist(rows, schema=self.schema))
         else:
             self.handle.write(b"".join(orjson.dumps(row) + b"\n" for row in rows))

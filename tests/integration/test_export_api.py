@@ -28,6 +28,12 @@ from tests.conftest import free_port
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def _decode_cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoders the CLIs save (factory/export/decode_cache.py) go to this test's tmp dir, not ~/.cache."""
+    monkeypatch.setenv("FACTORY_DECODE_CACHE", str(tmp_path / "decoders"))
+
+
 def _atropos_like_app(groups: list[dict], per_batch: int) -> FastAPI:
     app = FastAPI()
     state = {"registered": None, "queue": list(groups), "batches_served": 0}
@@ -237,6 +243,7 @@ def _run_against(api_url: str, command: list[str], out: Path, groups: list[dict]
 def test_rows_are_atropos_rows_on_the_same_queued_data(tmp_path, kind, extra):
     """Both CLIs against one factory run-api, fed the same groups: our lines are Atropos's first lines, byte for byte.
 
+    Text rows twice: decoded through transformers, then with the decoder that run saved (export/decode_cache.py).
     (DPO with one pair per group: Atropos draws the rejected with the unseeded global random, so only a single
     eligible rejected makes its output reproducible.)
     """
@@ -257,8 +264,15 @@ def test_rows_are_atropos_rows_on_the_same_queued_data(tmp_path, kind, extra):
                               tmp_path / "theirs.jsonl", groups, batch_size)
         ours = _run_against(api.url, [*ours_cli, str(tmp_path / "ours.jsonl"), "--api-url", api.url, *common],
                             tmp_path / "ours.jsonl", groups, batch_size)
+        text = "--save-messages" not in extra
+        if text:
+            assert len(list((tmp_path / "decoders").glob("*.json"))) == 1
+            again = _run_against(api.url, [*ours_cli, str(tmp_path / "again.jsonl"), "--api-url", api.url, *common],
+                                 tmp_path / "again.jsonl", groups, batch_size)
     assert len(ours) == limit <= len(theirs)  # Atropos finishes the batch that crossed the limit
     assert ours == theirs[:limit]
+    if text:
+        assert again == ours
 
 
 def test_a_tokenizer_that_does_not_load_ends_the_wait_for_batches(tmp_path, capsys):

@@ -35,6 +35,12 @@ def build_tiny_tokenizer(directory: Path) -> Path:
     return directory
 
 
+@pytest.fixture(autouse=True)
+def _decode_cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizer decoders an export saves (factory/export/decode_cache.py) go to this test's tmp dir, not ~/.cache."""
+    monkeypatch.setenv("FACTORY_DECODE_CACHE", str(tmp_path / "decode-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
