@@ -280,8 +280,8 @@ def _merge_in_workers(store: ShardStore, run_id: str, batches: list[list[CommitR
     order: the log gets the same records, in the same order, under the same lock as from one process. Merging is
     CPU-bound on one core (~160 us a tiny member: footer parsing, two sha256, reads and writes), committing is not.
 
-    Workers are forked (a spawned one imports pyarrow, ~0.3 s a worker), before this process starts any thread of
-    its own, and die with it (`_worker_started`): a kill -9 of the compaction leaves at most their hidden temporary
+    Workers are forked (a spawned one imports pyarrow, ~0.3 s a worker), before the compaction starts any thread
+    of its own (its read-ahead, write-back and removal threads), and die with it (`_worker_started`): a kill -9 of the compaction leaves at most their hidden temporary
     files, never a record, as a kill of a single process does (repair removes stale ones). A worker's error fails
     its batch as it would in one process: the batches before it stay committed, the later ones are abandoned, the
     workers stopped and the temporary files of every uncommitted batch removed before it is raised. A worker's
@@ -292,26 +292,24 @@ def _merge_in_workers(store: ShardStore, run_id: str, batches: list[list[CommitR
     queued = iter(zip(batches, hows))
     ahead: deque[tuple[list[CommitRecord], str, Future[_Built]]] = deque()
 
-    def submit() -> None:
-        for batch, how in queued:
+    def submit(limit: int) -> None:
+        while len(ahead) < limit and (item := next(queued, None)) is not None:
+            batch, how = item
             name, tmp = _names(store.shards_dir(run_id), batch)
             ahead.append((batch, tmp, pool.submit(_build, directory, _members_of(batch), row_group_groups, how, name, tmp)))
-            if len(ahead) > workers:
-                return
 
     try:
-        submit()
+        submit(workers + 1)  # one batch queued beyond those being built: the next worker to finish goes on at once
         while ahead:
             batch, _tmp, job = ahead[0]
-            try:
-                built = job.result()
-            except BrokenProcessPool as error:
-                raise StoreError(f"run {run_id}: a compaction worker process died (killed, or out of memory?) before "
-                                 f"the batch of {len(batch)} shards from {batch[0].shard} was merged; the shards not "
-                                 "merged yet are left as they were: compact again") from error
+            built = job.result()
+            submit(workers + 2)  # before this batch leaves `ahead`: its file is removed below if this fails
             ahead.popleft()
-            submit()
             merged(batch, _commit(store, run_id, batch, built, report, removals))
+    except BrokenProcessPool as error:
+        raise StoreError(f"run {run_id}: a compaction worker process died (killed, or out of memory?); the files "
+                         "merged before it are committed, the shards not merged yet left as they were: compact "
+                         "again") from error
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         for _batch, tmp, _job in ahead:  # the workers are stopped: nothing writes these any more
