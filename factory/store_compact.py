@@ -31,7 +31,10 @@ Steps (each safe to be killed after):
 4. the member files are removed (several at a time: each removal mostly waits for the filesystem).
 A kill before 2 leaves a hidden temporary file (repair removes stale ones) and
 the shards as they were; after 2, the next commit, read or `repair` of the
-run finishes 3 and 4 from the log. Compaction runs beside live writers: they
+run finishes 3 and 4 from the log. Step 1 touches nothing but its temporary
+file, so it runs in worker processes (`compact_run(workers=N)`, up to N + 1
+batches ahead) while steps 2-4 stay in the compaction's own process, one merged
+file at a time and in plan order; the workers die with that process. Compaction runs beside live writers: they
 only wait for the lock during step 2.
 
 A run-api following the run when it is compacted reads the queued groups of
