@@ -105,9 +105,9 @@ PARALLEL_MIN_BYTES = 64 << 20
 """Compactions of fewer bytes than this stay in one process: forking the workers and handing them the batches
 costs more than the ~0.3 s they can save."""
 OLD_WRITER_WINDOW = 64 << 10
-PR_SET_PDEATHSIG = 1
-"""prctl(2): the signal a process gets when its parent ends."""
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal a process gets when its parent ends."""
 
 
 @dataclass
