@@ -94,6 +94,9 @@ class StoreError(RuntimeError):
         super().__init__(message)
         self.errno = errno_
 
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a compaction worker process, re-raised in its parent
+        return type(self), (str(self), self.errno)
+
 
 class RecordMaybeLogged(StoreError):
     """Appending a record to a commit log failed in a way that may have left it in the log: whatever the record
