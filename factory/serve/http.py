@@ -25,7 +25,10 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fall
 
 THREAD_GUNZIP_BYTES = 64 << 10
 POOLED_BODY_BYTES = 1 << 20
-"""Bodies of at least this many bytes (with a Content-Length) are read into reused buffers (`BodyBuffers`)."""
+POOLED_BODY_MAX_BYTES = 64 << 20
+"""Bodies from POOLED_BODY_BYTES to POOLED_BODY_MAX_BYTES (by their Content-Length) are read into reused buffers
+(`BodyBuffers`); a buffer is allocated whole before the body arrives, so a bigger declared length is not trusted
+with one (those bodies are joined as they arrive, as are bodies without a Content-Length)."""
 
 
 class BodyError(Exception):
@@ -132,7 +135,7 @@ class _Guard:
 
 
 class BodyBuffers:
-    """Reused buffers for big request bodies (at least POOLED_BODY_BYTES, Content-Length declared).
+    """Reused buffers for big request bodies (POOLED_BODY_BYTES to POOLED_BODY_MAX_BYTES, Content-Length declared).
 
     A body joined into a new bytes object costs a fresh allocation of its size: above glibc's mmap threshold
     (1 MiB here, factory/serve/memory.py) every one is a new mapping whose pages fault in while the body is
@@ -257,7 +260,7 @@ class FastPosts:
         response = self.guard.refusal(headers)
         if response is None:
             declared = headers.get("content-length", "")
-            pooled = declared.isdigit() and int(declared) >= POOLED_BODY_BYTES
+            pooled = declared.isdigit() and POOLED_BODY_BYTES <= int(declared) <= POOLED_BODY_MAX_BYTES
             buffer = self.buffers.take(int(declared)) if pooled else None
             body = await self.guard.read_body(receive, buffer)
             if body is None:
