@@ -29,6 +29,9 @@ POOLED_BODY_MAX_BYTES = 64 << 20
 """Bodies from POOLED_BODY_BYTES to POOLED_BODY_MAX_BYTES (by their Content-Length) are read into reused buffers
 (`BodyBuffers`); a buffer is allocated whole before the body arrives, so a bigger declared length is not trusted
 with one (those bodies are joined as they arrive, as are bodies without a Content-Length)."""
+POOLED_LENT_MAX_BYTES = 256 << 20
+"""At most this many bytes of buffers are lent to bodies still arriving: clients that declare big bodies and then
+stall hold no more than this between them; further bodies are joined as they arrive."""
 
 
 class BodyError(Exception):
@@ -146,20 +149,30 @@ class BodyBuffers:
     def __init__(self, *, idle_s: float = 0.25, keep: int = 16, on_idle: Callable[[], None] | None = None) -> None:
         self.idle_s, self.keep, self.on_idle = idle_s, keep, on_idle
         self._free: list[bytearray] = []
+        self.lent = 0
+        """Bytes of the buffers taken and not given back yet (bodies arriving or being handled)."""
         self._last_take = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
-    def take(self, size: int) -> bytearray:
-        """A buffer of at least `size` bytes, reused if one is free."""
+    def take(self, size: int) -> bytearray | None:
+        """A buffer of at least `size` bytes, reused if one is free; None when POOLED_LENT_MAX_BYTES are lent."""
         loop = asyncio.get_running_loop()
         self._last_take = loop.time()
         fits = [i for i, buffer in enumerate(self._free) if len(buffer) >= size]
         if fits:
-            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
-        return bytearray(-(-size // POOLED_BODY_BYTES) * POOLED_BODY_BYTES)  # whole MiBs: bodies vary a little
+            buffer = self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+        elif self.lent + size > POOLED_LENT_MAX_BYTES:
+            return None
+        else:
+            buffer = bytearray(-(-size // POOLED_BODY_BYTES) * POOLED_BODY_BYTES)  # whole MiBs: bodies vary a little
+        self.lent += len(buffer)
+        return buffer
 
-    def give(self, buffer: bytearray) -> None:
-        """`buffer` is no longer used (nothing may hold a view of it)."""
+    def give(self, buffer: bytearray, *, reuse: bool = True) -> None:
+        """`buffer` is no longer lent; `reuse`: nothing holds a view of it any more, so it may be taken again."""
+        self.lent -= len(buffer)
+        if not reuse:
+            return
         self._free.append(buffer)
         if len(self._free) > self.keep:
             self._free.remove(min(self._free, key=len))
@@ -262,17 +275,21 @@ class FastPosts:
             declared = headers.get("content-length", "")
             pooled = declared.isdigit() and POOLED_BODY_BYTES <= int(declared) <= POOLED_BODY_MAX_BYTES
             buffer = self.buffers.take(int(declared)) if pooled else None
-            body = await self.guard.read_body(receive, buffer)
-            if body is None:
-                return
-            if isinstance(body, Response):
-                response = body
-            else:
-                gzipped = "gzip" in headers.get("content-encoding", "").lower() and bool(body)
-                response = await handler(body, gzipped, headers.get("idempotency-key") or None)
-            if buffer is not None:  # only once the handler returned: a cancelled one may still be reading it
+            reusable = False
+            try:
+                body = await self.guard.read_body(receive, buffer)
+                if body is None:
+                    return
+                if isinstance(body, Response):
+                    response = body
+                else:
+                    gzipped = "gzip" in headers.get("content-encoding", "").lower() and bool(body)
+                    response = await handler(body, gzipped, headers.get("idempotency-key") or None)
                 del body
-                self.buffers.give(buffer)
+                reusable = True  # the handler returned: a cancelled or failed one may still be reading the buffer
+            finally:
+                if buffer is not None:
+                    self.buffers.give(buffer, reuse=reusable)
         await response(scope, receive, send)
 
 

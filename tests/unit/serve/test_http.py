@@ -64,3 +64,23 @@ def test_body_buffers_are_reused_while_posts_come_and_dropped_once_they_stop():
 
     buffers = asyncio.run(scenario())
     assert buffers._free == [] and dropped == [True]
+
+
+def test_body_buffers_lend_at_most_their_cap_and_failed_bodies_give_theirs_back_unreused():
+    from factory.serve.http import POOLED_LENT_MAX_BYTES
+
+    async def scenario():
+        buffers = BodyBuffers(idle_s=10)
+        size = 32 << 20
+        lent = [buffers.take(size) for _ in range(POOLED_LENT_MAX_BYTES // size)]
+        assert all(buffer is not None for buffer in lent)
+        assert buffers.take(size) is None  # stalled clients hold no more than the cap: the next body is joined
+        buffers.give(lent.pop(), reuse=False)  # a body that failed: its buffer is not lent any more, nor reused
+        assert buffers._free == []
+        again = buffers.take(size)
+        assert again is not None and buffers.lent == POOLED_LENT_MAX_BYTES
+        for buffer in [*lent, again]:
+            buffers.give(buffer)
+        assert buffers.lent == 0
+
+    asyncio.run(scenario())
