@@ -149,3 +149,24 @@ def test_blocks_and_loose_runs_together(tmp_path):
     assert Block in kinds and kinds.count(Loose) == 1 and [len(item) for item in _loose(fresh)] == [16]
     _same_answers(fresh, _from_log(tmp_path))
     assert "w1-00000002.parquet" in fresh._read_log("gen").records and "w9-00000002.parquet" not in fresh._read_log("gen").records
+
+
+def test_run_api_scans_and_locates_loose_members_as_records(tmp_path):
+    from factory.serve.follower import Locator, scan_new_shards
+
+    _store(tmp_path)
+    checkpoint(ShardStore(tmp_path), "gen")
+    fresh, reference = ShardStore(tmp_path), _from_log(tmp_path)
+    assert _loose(fresh)
+    want = scan_new_shards(reference, ["gen"], set(), set())
+    got = scan_new_shards(fresh, ["gen"], set(), set())
+    assert [(s.shard, s.rows, s.path) for s in got] == [(s.shard, s.rows, s.path) for s in want] and len(got) == 40
+    known = {("gen", s.shard) for s in want[::2]}  # half known: only the others come, in order
+    got = scan_new_shards(ShardStore(tmp_path), ["gen"], known, set())
+    assert [s.shard for s in got] == [s.shard for s in want[1::2]]
+    locator, old = Locator(fresh), Locator(reference)
+    for shard in want:
+        own = locator.own_file("gen", shard.shard, shard.rows)
+        assert own is not None and own == old.own_file("gen", shard.shard, shard.rows)
+        assert locator.locate("gen", shard.shard) == old.locate("gen", shard.shard)
+    assert _loose(fresh)
