@@ -541,9 +541,8 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
              fields["index"]) = (shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset,
                                  summaries[code] if code and totals[code] == count else None)
     chunks = meta.get("chunks")
-    loose = any(type(item) is Loose for item in items.values())
-    if records.has_blocks and not loose and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved
-        # with them (they cover the merged files' members only: with `Loose` runs, worked out when first needed)
+    if records.has_blocks and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved with them (those
+        # of `Loose` runs are worked out from their columns when first needed)
         records.set_chunk_ranges({p: (int(lo), int(hi)) for p, (lo, hi) in chunks["ranges"].items()}
                                  if chunks.get("regular") else None)
     loaded.rows = int(int64_values(table.column("rows")).sum())

@@ -93,14 +93,24 @@ def chunk_ranges(names: pa.ChunkedArray) -> dict[str, tuple[int, int]] | None:
     parts = parts.combine_chunks()
     if not len(parts):
         return {}
-    producers = parts.field(0).dictionary_encode()
+    return _ranges_of(parts.field(0), int64_values(pc.cast(parts.field(1), pa.int64())))
+
+
+def _ranges_of(producer_names: pa.Array, chunks: np.ndarray) -> dict[str, tuple[int, int]]:
+    producers = producer_names.dictionary_encode()
     codes = int64_values(producers.indices)
-    chunks = int64_values(pc.cast(parts.field(1), pa.int64()))
     lows = np.full(len(producers.dictionary), np.iinfo(np.int64).max, dtype=np.int64)
     highs = np.full(len(producers.dictionary), -1, dtype=np.int64)
     np.minimum.at(lows, codes, chunks)
     np.maximum.at(highs, codes, chunks)
     return {p: (int(lo), int(hi)) for p, lo, hi in zip(producers.dictionary.to_pylist(), lows, highs)}
+
+
+def _repeated(text: str, count: int) -> pa.Array:
+    """A string array of `text` `count` times, from buffers."""
+    data = text.encode()
+    offsets = np.arange(count + 1, dtype=np.int32) * len(data)
+    return pa.Array.from_buffers(pa.string(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data * count)])
 
 
 class Block:
@@ -201,6 +211,23 @@ class Loose:
         code = int(self.codes[index])
         return self.summaries[code] if code and self.totals[code] == rows else None
 
+    def chunk_ranges(self) -> dict[str, tuple[int, int]] | None:
+        """`chunk_ranges` of the members' names: from their producer and chunk columns where every name is
+        `<producer>-<chunk:08d>.parquet` of its own (as commits name shards; one compare per name, not a regex)."""
+        import pyarrow.compute as pc
+
+        count = len(self)
+        if not count:
+            return {}
+        producers, chunks = self.members.column("producer").combine_chunks(), self.members.column("chunk").combine_chunks()
+        # (constants as arrays: a Python string passed to a compute function becomes a pa.scalar, which imports pandas)
+        expected = pc.binary_join_element_wise(
+            producers, _repeated("-", count), pc.utf8_lpad(pc.cast(chunks, pa.string()), width=8, padding="0"),
+            _repeated(".parquet", count), _repeated("", count))
+        if not pc.all(pc.equal(self.members.column("shard").combine_chunks(), expected)).as_py():
+            return chunk_ranges(self.members.column("shard"))
+        return _ranges_of(producers, int64_values(chunks))
+
     def files(self) -> Iterator[tuple[str, int, str]]:
         """(name, bytes, sha256) of each member's file, in order, without making its record."""
         shards, sizes, hashes = (self.members.column(name) for name in ("shard", "bytes", "sha256"))
@@ -252,6 +279,8 @@ class Records:
         self._members = 0
         self._index: dict[str, tuple[Block, int]] | None = None
         self._ranges: dict[str, tuple[int, int]] | None = None
+        self._block_ranges: dict[str, tuple[int, int]] | None | bool = False
+        """`chunk_ranges` of the `Block`s' names where known (saved with the manifest); False: not known."""
         self._irregular = False
         self.on_explode: Callable[[dict[str, list[str]]], None] | None = None
         """Called with {block key: member names} after `explode`, so a log's change list can follow."""
@@ -262,6 +291,7 @@ class Records:
         self._blocks += 1
         self._members += len(block)
         self._index = self._ranges = None
+        self._block_ranges = False
 
     @property
     def has_blocks(self) -> bool:
@@ -289,15 +319,31 @@ class Records:
         return span is not None and span[0] <= int(match.group(2)) <= span[1]
 
     def _chunk_ranges(self) -> dict[str, tuple[int, int]]:
-        blocks = [item for item in self._items.values() if type(item) in GROUPED]
-        ranges = chunk_ranges(pa.chunked_array(
-            [chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string()))
-        self._irregular = ranges is None
-        return ranges or {}
+        parts: list[dict[str, tuple[int, int]] | None] = []
+        if self._block_ranges is False:
+            blocks = [item for item in self._items.values() if type(item) is Block]
+            if blocks:  # (none: no pyarrow.compute call, whose first one costs an import)
+                parts.append(chunk_ranges(pa.chunked_array(
+                    [chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string())))
+        else:
+            parts.append(self._block_ranges)  # type: ignore[arg-type]
+        parts += [item.chunk_ranges() for item in self._items.values() if type(item) is Loose]
+        self._irregular = any(part is None for part in parts)
+        ranges: dict[str, tuple[int, int]] = {}
+        for part in parts:
+            for producer, (low, high) in (part or {}).items():
+                known = ranges.get(producer)
+                ranges[producer] = (low, high) if known is None else (min(known[0], low), max(known[1], high))
+        return ranges
 
     def set_chunk_ranges(self, ranges: dict[str, tuple[int, int]] | None) -> None:
-        """What `chunk_ranges` says of the blocks' names, known already (saved with the manifest)."""
-        self._ranges, self._irregular = (ranges or {}), ranges is None
+        """What `chunk_ranges` says of the `Block`s' names, known already (saved with the manifest); those of the
+        `Loose` runs are worked out from their columns when first needed."""
+        self._block_ranges = ranges
+        if any(type(item) is Loose for item in self._items.values()):
+            self._ranges = None
+        else:
+            self._ranges, self._irregular = (ranges or {}), ranges is None
 
     def _in_blocks(self, name: str) -> tuple[Block | Loose, int] | None:
         if not self._blocks:
@@ -348,6 +394,7 @@ class Records:
             else:
                 items[key] = item
         self._items, self._blocks, self._members, self._index, self._ranges = items, 0, 0, None, None
+        self._block_ranges = False
         if self.on_explode is not None:
             self.on_explode(expanded)
 

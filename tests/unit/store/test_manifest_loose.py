@@ -106,6 +106,7 @@ def test_new_commits_keep_the_run_and_save_it_back(tmp_path):
         _commit(fresh, "w0", chunk)
     records = fresh._read_log("gen").records
     assert _loose(fresh) and records._index is None  # new chunks: outside the run's chunk ranges
+    assert records._ranges == {"w0": (0, 19), "w1": (0, 19)} and not records._irregular
     assert fresh.is_committed("gen", "w1", 7) and not fresh.is_committed("gen", "w1", 30) and _loose(fresh)
     _, items = fresh.changed_items("gen", cursor)
     assert [r.shard for r in items] == [f"w0-{c:08d}.parquet" for c in range(20, 23)]
@@ -170,3 +171,22 @@ def test_run_api_scans_and_locates_loose_members_as_records(tmp_path):
         assert own is not None and own == old.own_file("gen", shard.shard, shard.rows)
         assert locator.locate("gen", shard.shard) == old.locate("gen", shard.shard)
     assert _loose(fresh)
+
+
+def test_chunk_ranges_of_a_loose_run_from_its_columns_or_its_names():
+    import pyarrow as pa
+
+    from factory.store_records import MEMBER_FIELDS, Loose, chunk_ranges
+
+    def loose(names, producers, chunks):
+        count = len(names)
+        columns = {"shard": names, "run_id": ["r"] * count, "producer": producers, "chunk": chunks, "rows": [1] * count,
+                   "bytes": [1] * count, "sha256": ["x"] * count, "committed_at": ["t"] * count}
+        return Loose(pa.table({name: columns[name] for name in MEMBER_FIELDS}), None, [None], [None])
+
+    names = ["w0-00000003.parquet", "w1-00000001.parquet", "w0-123456789.parquet"]
+    assert loose(names, ["w0", "w1", "w0"], [3, 1, 123456789]).chunk_ranges() == {"w0": (3, 123456789), "w1": (1, 1)}
+    odd = ["w0-00000003.parquet", "other.parquet"]  # a name not made from its producer and chunk: by its name
+    assert loose(odd, ["w0", "w0"], [3, 4]).chunk_ranges() is None is chunk_ranges(pa.chunked_array([odd]))
+    renamed = ["w0-00000003.parquet", "w2-00000009.parquet"]
+    assert loose(renamed, ["w0", "w0"], [3, 4]).chunk_ranges() == {"w0": (3, 3), "w2": (9, 9)}
