@@ -251,19 +251,21 @@ class _LogTail:
         return list(self.iter_live())
 
     def iter_live(self) -> Iterator[tuple[str, int, str, list[tuple[int, int]] | None]]:
-        """`live`, one file at a time: the row ranges of each merged file (which need every member's place) are gathered first, from
-        the blocks and moved records only; the files of shards not compacted, `Loose` runs of them included, are
-        handed out as they come, so the first files wait for no pass over a history of loose shards."""
+        """`live`, one file at a time, as the records stand at the first one: the row ranges of each merged file
+        (which need every member's place) are gathered first, from the blocks and moved records only; the files of
+        shards not compacted, `Loose` runs of them included, are handed out as they come, so the first files wait
+        for no pass over a history of loose shards."""
+        items = list(self.records.items_in_order())  # (a commit meanwhile, by another thread, changes the dict)
         merged: dict[str, list[tuple[int, int]]] = {}
         """Merged file -> row ranges of its current members."""
-        for item in self.records.items_in_order():
+        for item in items:
             kind = type(item)
             if kind is Block:
                 merged.setdefault(item.file, []).append((item.first, item.first + item.total))
             elif kind is not Loose and item.file:
                 merged.setdefault(item.file, []).append((item.row_offset, item.row_offset + item.rows))
         done: set[str] = set()
-        for item in self.records.items_in_order():
+        for item in items:
             kind = type(item)
             if kind is Loose:
                 yield from ((name, size, sha256, None) for name, size, sha256 in item.files())

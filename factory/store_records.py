@@ -244,11 +244,21 @@ class Loose:
         summaries, totals, new, result = self.summaries, self.totals, object.__new__, []
         for (shard, run_id, producer, chunk, rows, size, sha256, at), code in zip(zip(*self.lists()), codes):
             record = new(CommitRecord)
-            record.__dict__.update(shard=shard, run_id=run_id, producer=producer, chunk=chunk, rows=rows, bytes=size,
-                                   sha256=sha256, committed_at=at, skipped=False, file="", row_offset=0,
-                                   index=summaries[code] if code and totals[code] == rows else None)
+            fields = record.__dict__  # (assigned one by one: ~2x faster than update() with keywords)
+            (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
+             fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"],
+             fields["index"]) = (shard, run_id, producer, chunk, rows, size, sha256, at, False, "", 0,
+                                 summaries[code] if code and totals[code] == rows else None)
             result.append(record)
         return result
+
+    def own_files(self) -> Iterator[tuple[int, str, int, int, dict[str, Any] | None]]:
+        """(position, shard, rows, bytes, index summary or None) of each member, without making its record."""
+        lists = self.lists()
+        codes = self.codes.tolist() if self.codes is not None else itertools.repeat(0)
+        summaries, totals = self.summaries, self.totals
+        for at, (shard, rows, size, code) in enumerate(zip(lists[0], lists[4], lists[5], codes)):
+            yield at, shard, rows, size, summaries[code] if code and totals[code] == rows else None
 
     def record(self, index: int) -> CommitRecord:
         from factory.store import CommitRecord

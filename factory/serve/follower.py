@@ -318,11 +318,22 @@ def scan_new_shards(
     def items_of(run_id: str, items: list[Any]) -> Iterator[Any]:
         """Records, and blocks none of whose members is known yet (else their members' records)."""
         for item in items:
-            if type(item) is Loose:  # records in their own files, loaded as columns: a record made per unknown one
-                if known:
-                    yield from (item.record(i) for i, name in enumerate(item.names()) if (run_id, name) not in known)
-                else:
-                    yield from item.records()
+            if type(item) is Loose:  # records in their own files, loaded as columns: no record made for a member
+                # known already, nor for one whose index is its summary and whose file is there (taken here, as
+                # the loop below takes such a record); the others' records go through that loop
+                for at, name, rows, size, summary in item.own_files():
+                    if known and (run_id, name) in known:
+                        continue
+                    if summary is not None:
+                        path = own.path(run_id, name)
+                        if own.present(run_id, name, path, size):
+                            shard = NewShard(run_id, name, path, rows, None, 0)
+                            summarized.append(shard)
+                            summaries.append(summary)
+                            found.append(shard)
+                            again.add(name)
+                            continue
+                    yield item.record(at)
                 continue
             if type(item) is Block:
                 state = covered(known_blocks, run_id, item.file, item.first, item.first + item.total)
