@@ -51,7 +51,8 @@ from environments.groups import ScoredGroup, describe_validation_error
 from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
 from factory.index_runs import intern, summarize_rows, summarize_table, total_rows, valid
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
-from factory.store_records import GROUPED, LOOSE_MIN, MEMBER_FIELDS, Block, Loose, Records, chunk_ranges, column, int64_values
+from factory.store_records import (GROUPED, LOOSE_MIN, MEMBER_FIELDS, Block, Loose, Records, chunk_ranges, column,
+                                   int64_values, regular_names)
 from factory.store_records import table as make_table
 
 logger = logging.getLogger(__name__)
@@ -303,7 +304,8 @@ file (`shard` empty, `file`, `row_offset` of the first member, `rows` in all), i
 and, where the manifest has an `index` column (written since the commit records carry one), each record's index
 summary as JSON (dictionary-encoded: a run's shards share a handful of summaries; "" for none). A manifest without
 the column is read as before (no summaries: those shards' files are read), and a reader that does not know the
-column ignores it."""
+column ignores it. The metadata's `regular_records` (since `Loose`; absent before): whether every record row's shard
+is `shard_name(producer, chunk)` of its own, so that a reader takes a `Loose` run's chunk ranges from its columns."""
 _MANIFEST_SCHEMA = pa.schema([
     ("shard", pa.string()), ("run_id", pa.string()), ("producer", pa.string()), ("chunk", pa.int64()),
     ("rows", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string()), ("committed_at", pa.string()),
@@ -314,9 +316,10 @@ _MANIFEST_SCHEMA_V2 = _MANIFEST_SCHEMA.append(pa.field("members", pa.list_(pa.st
     pa.field("index", pa.dictionary(pa.int32(), pa.string())))
 
 
-def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None]:
+def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None, bool]:
     """The manifest's rows (see _MANIFEST_VERSION): records as they are, runs of members of a merged file (blocks
-    loaded as such, or records that a compaction moved since) as one row each."""
+    loaded as such, or records that a compaction moved since) as one row each; the chunk ranges of the merged files'
+    members; whether every record's shard name is `shard_name(producer, chunk)` of its own."""
     columns: dict[str, list[Any]] = {name: [] for name in _MANIFEST_SCHEMA.names}
     summaries: list[int] = []
     """Per row, its code in `texts` (the record's index summary as JSON; 0: none)."""
@@ -399,7 +402,10 @@ def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]]
     lists = pa.ListArray.from_arrays(column(offsets, pa.int32()), values)
     index = pa.DictionaryArray.from_arrays(column(summaries, pa.int32()), column(list(texts), pa.string()))
     table = pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists, index], schema=_MANIFEST_SCHEMA_V2)
-    return table, chunk_ranges(members.column("shard"))
+    own = pa.chunked_array([pa.Array.from_buffers(pa.bool_(), table.num_rows, [None, pa.py_buffer(np.packbits(
+        ~_empty(table.column("shard")), bitorder="little"))])]) if table.num_rows else None
+    regular = own is None or regular_names(*(table.column(name).filter(own) for name in ("shard", "producer", "chunk")))
+    return table, chunk_ranges(members.column("shard")), regular
 
 
 def save_manifest(path: Path, log: _LogTail) -> bool:
@@ -410,10 +416,10 @@ def save_manifest(path: Path, log: _LogTail) -> bool:
     manifest ignored. Written under a temporary name and renamed; failures (a read-only store) are ignored.
     """
     log.checkpoint_lines, log.checkpoint_changes = log.lines, len(log.changed)
-    table, chunks = _manifest_table(log)
+    table, chunks, regular = _manifest_table(log)
     meta = {"version": _MANIFEST_VERSION, "offset": log.offset, "lines": log.lines, "tail": log.tail.hex(),
             "files": log.files, "bad": log.bad, "index": log.index_runs,
-            "chunks": {"regular": chunks is not None, "ranges": chunks or {}}}
+            "chunks": {"regular": chunks is not None, "ranges": chunks or {}}, "regular_records": regular}
     table = table.replace_schema_metadata({"manifest": json.dumps(meta)})
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
@@ -521,7 +527,8 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
         kind = int(kinds[low])
         if kind == 1 and high - low >= LOOSE_MIN:
             records.add_block(Loose(member_columns.slice(low, high - low),
-                                    None if code_array is None else code_array[low:high], summaries, totals))
+                                    None if code_array is None else code_array[low:high], summaries, totals,
+                                    regular=meta.get("regular_records") is True))
             continue
         part = table.slice(low, high - low)
         if kind == 0:  # blocks of a merged file's members: one object each, not one per member

@@ -106,6 +106,22 @@ def _ranges_of(producer_names: pa.Array, chunks: np.ndarray) -> dict[str, tuple[
     return {p: (int(lo), int(hi)) for p, lo, hi in zip(producers.dictionary.to_pylist(), lows, highs)}
 
 
+def regular_names(names: pa.ChunkedArray, producers: pa.ChunkedArray, chunks: pa.ChunkedArray) -> bool:
+    """Whether every shard name is `<producer>-<chunk:08d>.parquet` of its own producer and chunk (as commits name
+    shards), one compare per name."""
+    import pyarrow.compute as pc
+
+    count = len(names)
+    if not count:
+        return True
+    # (constants as arrays: a Python string passed to a compute function becomes a pa.scalar, which imports pandas)
+    expected = pc.binary_join_element_wise(
+        producers.combine_chunks(), _repeated("-", count),
+        pc.utf8_lpad(pc.cast(chunks.combine_chunks(), pa.string()), width=8, padding="0"),
+        _repeated(".parquet", count), _repeated("", count))
+    return bool(pc.all(pc.equal(names.combine_chunks(), expected)).as_py())
+
+
 def _repeated(text: str, count: int) -> pa.Array:
     """A string array of `text` `count` times, from buffers."""
     data = text.encode()
@@ -166,11 +182,14 @@ class Loose:
     (`file` empty, `row_offset` 0), each with its index summary (`summaries[codes[i]]` where that adds up to its
     rows, else None; see store.load_manifest)."""
 
-    __slots__ = ("members", "codes", "summaries", "totals", "key", "_lists", "_rows")
+    __slots__ = ("members", "codes", "summaries", "totals", "key", "regular", "_lists", "_rows")
 
     def __init__(self, members: pa.Table, codes: np.ndarray | None, summaries: list[Any], totals: list[Any],
-                 key: str | None = None) -> None:
+                 key: str | None = None, regular: bool = False) -> None:
         self.members, self.codes, self.summaries, self.totals = members, codes, summaries, totals
+        self.regular = regular
+        """Every member's name is known to be `<producer>-<chunk:08d>.parquet` of its own (`regular_names`; the
+        manifest says so of its records); False: not known."""
         self.key = key if key is not None else f"\x00\x00{next(_LOOSE_KEYS)}"
         """Its key among `Records`' items and in a log's change list (no shard name or `Block.key` starts so)."""
         self._lists: list[list[Any]] | None = None
@@ -183,7 +202,8 @@ class Loose:
         """Members `start .. stop` as a Loose under the same key (the viewer indexes a pending one newest first)."""
         stop = len(self) if stop is None else stop
         codes = None if self.codes is None else self.codes[start:stop]
-        return Loose(self.members.slice(start, stop - start), codes, self.summaries, self.totals, self.key)
+        return Loose(self.members.slice(start, stop - start), codes, self.summaries, self.totals, self.key,
+                     self.regular)
 
     @property
     def rows(self) -> np.ndarray:
@@ -214,19 +234,12 @@ class Loose:
     def chunk_ranges(self) -> dict[str, tuple[int, int]] | None:
         """`chunk_ranges` of the members' names: from their producer and chunk columns where every name is
         `<producer>-<chunk:08d>.parquet` of its own (as commits name shards; one compare per name, not a regex)."""
-        import pyarrow.compute as pc
-
-        count = len(self)
-        if not count:
+        if not len(self):
             return {}
-        producers, chunks = self.members.column("producer").combine_chunks(), self.members.column("chunk").combine_chunks()
-        # (constants as arrays: a Python string passed to a compute function becomes a pa.scalar, which imports pandas)
-        expected = pc.binary_join_element_wise(
-            producers, _repeated("-", count), pc.utf8_lpad(pc.cast(chunks, pa.string()), width=8, padding="0"),
-            _repeated(".parquet", count), _repeated("", count))
-        if not pc.all(pc.equal(self.members.column("shard").combine_chunks(), expected)).as_py():
-            return chunk_ranges(self.members.column("shard"))
-        return _ranges_of(producers, int64_values(chunks))
+        names, producers, chunks = (self.members.column(name) for name in ("shard", "producer", "chunk"))
+        if not (self.regular or regular_names(names, producers, chunks)):
+            return chunk_ranges(names)
+        return _ranges_of(producers.combine_chunks(), int64_values(chunks))
 
     def files(self) -> Iterator[tuple[str, int, str]]:
         """(name, bytes, sha256) of each member's file, in order, without making its record."""

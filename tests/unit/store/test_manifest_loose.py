@@ -105,6 +105,7 @@ def test_new_commits_keep_the_run_and_save_it_back(tmp_path):
     for chunk in range(20, 23):
         _commit(fresh, "w0", chunk)
     records = fresh._read_log("gen").records
+    assert all(item.regular for item in _loose(fresh))  # the manifest said so: its chunk ranges from its columns
     assert _loose(fresh) and records._index is None  # new chunks: outside the run's chunk ranges
     assert records._ranges == {"w0": (0, 19), "w1": (0, 19)} and not records._irregular
     assert fresh.is_committed("gen", "w1", 7) and not fresh.is_committed("gen", "w1", 30) and _loose(fresh)
@@ -190,3 +191,15 @@ def test_chunk_ranges_of_a_loose_run_from_its_columns_or_its_names():
     assert loose(odd, ["w0", "w0"], [3, 4]).chunk_ranges() is None is chunk_ranges(pa.chunked_array([odd]))
     renamed = ["w0-00000003.parquet", "w2-00000009.parquet"]
     assert loose(renamed, ["w0", "w0"], [3, 4]).chunk_ranges() == {"w0": (3, 3), "w2": (9, 9)}
+
+
+def test_a_manifest_with_an_odd_record_name_does_not_claim_regular_names(tmp_path):
+    from factory.store import _manifest_table
+
+    _store(tmp_path, 5)
+    store = ShardStore(tmp_path)
+    log = store._read_log("gen")
+    assert _manifest_table(log)[2] is True
+    odd = log.records["w0-00000002.parquet"].__dict__
+    odd["shard"] = "odd.parquet"  # (a hand-edited log's record, say)
+    assert _manifest_table(log)[2] is False
