@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         a, b = statistics.median(times["A" + kind]), statistics.median(times["B" + kind])
         print(f"median{kind or ' start-up'} A {a:.2f} s, B {b:.2f} s, A/B {a / b:.2f}x; pairs A/B: "
               + ", ".join(f"{x / y:.2f}" for x, y in zip(times["A" + kind], times["B" + kind])))
+    if not args.dir:  # a scratch store of its own (a --smoke run left one behind in /tmp each time)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
