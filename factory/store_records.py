@@ -182,7 +182,7 @@ class Loose:
     (`file` empty, `row_offset` 0), each with its index summary (`summaries[codes[i]]` where that adds up to its
     rows, else None; see store.load_manifest)."""
 
-    __slots__ = ("members", "codes", "summaries", "totals", "key", "regular", "_lists", "_rows")
+    __slots__ = ("members", "codes", "summaries", "totals", "key", "regular", "_lists", "_names", "_rows")
 
     def __init__(self, members: pa.Table, codes: np.ndarray | None, summaries: list[Any], totals: list[Any],
                  key: str | None = None, regular: bool = False) -> None:
@@ -193,6 +193,7 @@ class Loose:
         self.key = key if key is not None else f"\x00\x00{next(_LOOSE_KEYS)}"
         """Its key among `Records`' items and in a log's change list (no shard name or `Block.key` starts so)."""
         self._lists: list[list[Any]] | None = None
+        self._names: list[str] | None = None
         self._rows: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -217,12 +218,16 @@ class Loose:
         return int(self.rows.sum())
 
     def names(self) -> list[str]:
-        return self.lists()[0]
+        """The members' shard names (made once; not the other fields, which a lookup by name does not need)."""
+        if self._names is None:
+            self._names = self.members.column("shard").to_pylist() if self._lists is None else self._lists[0]
+        return self._names
 
     def lists(self) -> list[list[Any]]:
         """The members' `MEMBER_FIELDS` as Python lists (made once)."""
         if self._lists is None:
-            self._lists = [self.members.column(name).to_pylist() for name in MEMBER_FIELDS]
+            self._lists = [self.names() if name == "shard" else self.members.column(name).to_pylist()
+                           for name in MEMBER_FIELDS]
         return self._lists
 
     def _summary(self, index: int, rows: int) -> dict[str, Any] | None:
@@ -266,11 +271,12 @@ class Loose:
         return result
 
     def own_files(self) -> Iterator[tuple[int, str, int, int, dict[str, Any] | None]]:
-        """(position, shard, rows, bytes, index summary or None) of each member, without making its record."""
-        lists = self.lists()
+        """(position, shard, rows, bytes, index summary or None) of each member, without making its record (nor
+        Python values of the fields it does not give: run-api's start-up at a million shards)."""
+        rows_, sizes = self.members.column("rows").to_pylist(), self.members.column("bytes").to_pylist()
         codes = self.codes.tolist() if self.codes is not None else itertools.repeat(0)
         summaries, totals = self.summaries, self.totals
-        for at, (shard, rows, size, code) in enumerate(zip(lists[0], lists[4], lists[5], codes)):
+        for at, (shard, rows, size, code) in enumerate(zip(self.names(), rows_, sizes, codes)):
             yield at, shard, rows, size, summaries[code] if code and totals[code] == rows else None
 
     def record(self, index: int) -> CommitRecord:
