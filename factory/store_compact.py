@@ -75,7 +75,7 @@ from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
 from factory.store import (MANIFEST_EVERY_LINES, PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError,
                            _sha256, _write_failure, save_manifest)
-from factory.store_records import Block
+from factory.store_records import Block, Loose
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +218,8 @@ def compact_run(
     with gc_paused():
         try:
             # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
-            pending = [item for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
-                       if type(item) is not Block]
+            pending = [record for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
+                       if type(item) is not Block for record in (item.records() if type(item) is Loose else (item,))]
             batches = plan(pending, target_bytes, flush=flush)
             hows = [method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch)
                                else "pages") for batch in batches]
