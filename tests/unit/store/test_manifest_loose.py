@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 import factory.store as store_module
-from factory.store import MANIFEST_NAME, ShardStore, save_manifest
+from factory.store import ShardStore, save_manifest
 from factory.store_compact import checkpoint, compact_run
 from factory.store_records import Block, Loose
 from factory.synthetic import synthetic_groups
+from tests.unit.store.test_manifest_blocks import _from_log
 
 
 @pytest.fixture(autouse=True)
@@ -31,18 +32,6 @@ def _store(root: Path, chunks: int = 20, producers: tuple[str, ...] = ("w0", "w1
     for chunk in range(chunks):
         for producer in producers:
             _commit(store, producer, chunk)
-    return store
-
-
-def _from_log(root: Path) -> ShardStore:
-    manifest = root / "gen" / MANIFEST_NAME
-    aside = root / "manifest.aside"
-    if manifest.exists():
-        manifest.rename(aside)
-    store = ShardStore(root)
-    store._read_log("gen")
-    if aside.exists():
-        aside.rename(manifest)
     return store
 
 
