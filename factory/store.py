@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
@@ -50,7 +51,8 @@ from environments.groups import ScoredGroup, describe_validation_error
 from factory.commit_log import CommitLineError, LogUncertain, append_line, decode_line, encode_line, fsync_dir, salvage_line
 from factory.index_runs import intern, summarize_rows, summarize_table, total_rows, valid
 from factory.schema import GROUP_SCHEMA, groups_to_record_batch, record_batch_to_groups
-from factory.store_records import MEMBER_FIELDS, Block, Records, chunk_ranges, column, int64_values
+from factory.store_records import (GROUPED, LOOSE_MIN, MEMBER_FIELDS, Block, Loose, Records, chunk_ranges, column,
+                                   int64_values, regular_names)
 from factory.store_records import table as make_table
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class StoreError(RuntimeError):
     def __init__(self, message: str, errno_: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno_
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a compaction worker process, re-raised in its parent
+        return type(self), (str(self), self.errno)
 
 
 class RecordMaybeLogged(StoreError):
@@ -186,7 +191,7 @@ class _LogTail:
         self.changed: list[str] = []
         """Shards in the order their record was added or changed (committed, replaced, compacted): followers
         read what is new from their last position in it instead of walking the whole history. A block of
-        compacted members loaded from a manifest is one entry (its `Block.key`)."""
+        compacted members loaded from a manifest is one entry (its `Block.key`), as is a `Loose` run of records."""
         self.rows = 0
         self.bad: list[tuple[int, str, bool]] = []
         """(line number, why, whether a whole record was salvaged from it) of each damaged line."""
@@ -247,16 +252,37 @@ class _LogTail:
 
     def live(self) -> list[tuple[str, int, str, list[tuple[int, int]] | None]]:
         """Live files in commit order: (name, bytes, sha256, row ranges to read, or None for all of them)."""
-        order: dict[str, list[tuple[int, int]]] = {}
-        for item in self.records.items_in_order():
-            if type(item) is Block:
-                order.setdefault(item.file, []).append((item.first, item.first + item.total))
-            else:
-                order.setdefault(item.physical, []).append((item.row_offset, item.row_offset + item.rows))
-        result = []
-        for name, ranges in order.items():
+        return list(self.iter_live())
+
+    def iter_live(self) -> Iterator[tuple[str, int, str, list[tuple[int, int]] | None]]:
+        """`live`, one file at a time, as the records stand at the first one: the row ranges of each merged file
+        (which need every member's place) are gathered first, from the blocks and moved records only; the files of
+        shards not compacted, `Loose` runs of them included, are handed out as they come, so the first files wait
+        for no pass over a history of loose shards."""
+        items = list(self.records.items_in_order())  # (a commit meanwhile, by another thread, changes the dict)
+        merged: dict[str, list[tuple[int, int]]] = {}
+        """Merged file -> row ranges of its current members."""
+        for item in items:
+            kind = type(item)
+            if kind is Block:
+                merged.setdefault(item.file, []).append((item.first, item.first + item.total))
+            elif kind is not Loose and item.file:
+                merged.setdefault(item.file, []).append((item.row_offset, item.row_offset + item.rows))
+        done: set[str] = set()
+        for item in items:
+            kind = type(item)
+            if kind is Loose:
+                yield from ((name, size, sha256, None) for name, size, sha256 in item.files())
+                continue
+            if kind is not Block and not item.file:  # a shard in its own file
+                yield item.shard, item.bytes, item.sha256, None
+                continue
+            name = item.file
+            if name in done:
+                continue
+            done.add(name)
             if name in self.files:
-                ranges.sort()
+                ranges = sorted(merged[name])
                 joined = [ranges[0]]
                 for start, stop in ranges[1:]:  # adjacent ranges as one (members one by one, or blocks of them)
                     if start == joined[-1][1]:
@@ -265,11 +291,10 @@ class _LogTail:
                         joined.append((start, stop))
                 size, sha256, total = self.files[name]
                 whole = len(joined) == 1 and joined[0] == (0, total)
-                result.append((name, size, sha256, None if whole else joined))
-            else:
+                yield name, size, sha256, None if whole else joined
+            else:  # (a compacted file no compaction record names: as the log's record of that name says)
                 record = self.records[name]
-                result.append((name, record.bytes, record.sha256, None))
-        return result
+                yield name, record.bytes, record.sha256, None
 
 
 MANIFEST_NAME = "manifest.arrow"
@@ -282,7 +307,8 @@ file (`shard` empty, `file`, `row_offset` of the first member, `rows` in all), i
 and, where the manifest has an `index` column (written since the commit records carry one), each record's index
 summary as JSON (dictionary-encoded: a run's shards share a handful of summaries; "" for none). A manifest without
 the column is read as before (no summaries: those shards' files are read), and a reader that does not know the
-column ignores it."""
+column ignores it. The metadata's `regular_records` (since `Loose`; absent before): whether every record row's shard
+is `shard_name(producer, chunk)` of its own, so that a reader takes a `Loose` run's chunk ranges from its columns."""
 _MANIFEST_SCHEMA = pa.schema([
     ("shard", pa.string()), ("run_id", pa.string()), ("producer", pa.string()), ("chunk", pa.int64()),
     ("rows", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string()), ("committed_at", pa.string()),
@@ -293,9 +319,10 @@ _MANIFEST_SCHEMA_V2 = _MANIFEST_SCHEMA.append(pa.field("members", pa.list_(pa.st
     pa.field("index", pa.dictionary(pa.int32(), pa.string())))
 
 
-def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None]:
+def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]] | None, bool]:
     """The manifest's rows (see _MANIFEST_VERSION): records as they are, runs of members of a merged file (blocks
-    loaded as such, or records that a compaction moved since) as one row each."""
+    loaded as such, or records that a compaction moved since) as one row each; the chunk ranges of the merged files'
+    members; whether every record's shard name is `shard_name(producer, chunk)` of its own."""
     columns: dict[str, list[Any]] = {name: [] for name in _MANIFEST_SCHEMA.names}
     summaries: list[int] = []
     """Per row, its code in `texts` (the record's index summary as JSON; 0: none)."""
@@ -306,16 +333,35 @@ def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]]
     loose: dict[str, list[Any]] = {name: [] for name in MEMBER_FIELDS}
     run: list[CommitRecord] = []
 
+    def code_of(summary: dict[str, Any] | None) -> int:
+        if summary is None:
+            return 0
+        code = codes.get(id(summary))
+        if code is None:
+            code = codes[id(summary)] = texts.setdefault(json.dumps(summary, separators=(",", ":")), len(texts))
+        return code
+
     def row(values: dict[str, Any], members: int, summary: dict[str, Any] | None = None) -> None:
         for name in _MANIFEST_SCHEMA.names:
             columns[name].append(values[name])
         offsets.append(offsets[-1] + members)
-        code = 0
-        if summary is not None:
-            code = codes.get(id(summary))
-            if code is None:
-                code = codes[id(summary)] = texts.setdefault(json.dumps(summary, separators=(",", ":")), len(texts))
-        summaries.append(code)
+        summaries.append(code_of(summary))
+
+    def loose_rows(item: Loose) -> None:
+        """A row per member of a `Loose` (each a record in its own file), from its columns."""
+        count = len(item)
+        for name, values in zip(MEMBER_FIELDS, item.lists()):
+            columns[name].extend(values)
+        columns["file"].extend([""] * count)
+        columns["row_offset"].extend([0] * count)
+        offsets.extend([offsets[-1]] * count)
+        if item.codes is None:
+            summaries.extend([0] * count)
+            return
+        new_codes = np.array([code_of(summary) for summary in item.summaries], dtype=np.int64)
+        totals = np.array([-1 if total is None else total for total in item.totals], dtype=np.int64)
+        kept = (item.codes != 0) & (totals[item.codes] == item.rows)  # as `Loose.records` gives each its summary
+        summaries.extend(np.where(kept, new_codes[item.codes], 0).tolist())
 
     def block_row(file: str, first: int, rows: int, members: int) -> None:
         row({"shard": "", "run_id": "", "producer": "", "chunk": 0, "rows": rows, "bytes": 0, "sha256": "",
@@ -340,6 +386,9 @@ def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]]
             flush_loose()
             pieces.append(item.members)
             block_row(item.file, item.first, item.total, len(item))
+        elif type(item) is Loose:
+            flush_run()
+            loose_rows(item)
         elif item.file:
             last = run[-1] if run else None
             if last is not None and (last.file != item.file or last.row_offset + last.rows != item.row_offset):
@@ -356,7 +405,10 @@ def _manifest_table(log: _LogTail) -> tuple[pa.Table, dict[str, tuple[int, int]]
     lists = pa.ListArray.from_arrays(column(offsets, pa.int32()), values)
     index = pa.DictionaryArray.from_arrays(column(summaries, pa.int32()), column(list(texts), pa.string()))
     table = pa.Table.from_arrays([*make_table(columns, _MANIFEST_SCHEMA).columns, lists, index], schema=_MANIFEST_SCHEMA_V2)
-    return table, chunk_ranges(members.column("shard"))
+    own = pa.chunked_array([pa.Array.from_buffers(pa.bool_(), table.num_rows, [None, pa.py_buffer(np.packbits(
+        ~_empty(table.column("shard")), bitorder="little"))])]) if table.num_rows else None
+    regular = own is None or regular_names(*(table.column(name).filter(own) for name in ("shard", "producer", "chunk")))
+    return table, chunk_ranges(members.column("shard")), regular
 
 
 def save_manifest(path: Path, log: _LogTail) -> bool:
@@ -367,10 +419,10 @@ def save_manifest(path: Path, log: _LogTail) -> bool:
     manifest ignored. Written under a temporary name and renamed; failures (a read-only store) are ignored.
     """
     log.checkpoint_lines, log.checkpoint_changes = log.lines, len(log.changed)
-    table, chunks = _manifest_table(log)
+    table, chunks, regular = _manifest_table(log)
     meta = {"version": _MANIFEST_VERSION, "offset": log.offset, "lines": log.lines, "tail": log.tail.hex(),
             "files": log.files, "bad": log.bad, "index": log.index_runs,
-            "chunks": {"regular": chunks is not None, "ranges": chunks or {}}}
+            "chunks": {"regular": chunks is not None, "ranges": chunks or {}}, "regular_records": regular}
     table = table.replace_schema_metadata({"manifest": json.dumps(meta)})
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
@@ -413,6 +465,15 @@ def _shared_strings(column: pa.ChunkedArray) -> list[Any]:
     return values[int64_values(encoded.indices)].tolist()
 
 
+def _empty(strings: pa.ChunkedArray) -> np.ndarray:
+    """Per value of a string column without nulls, whether it is empty (from its offsets: no Python string made)."""
+    array = strings.combine_chunks()
+    if not len(array):
+        return np.zeros(0, dtype=bool)
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + len(array) + 1)[array.offset:]
+    return offsets[1:] == offsets[:-1]
+
+
 def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail | None:
     """The parsed state a manifest checkpoints, if it still matches the log at `log_path`; else None."""
     try:
@@ -438,7 +499,7 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
             parsed = [json.loads(text) if text else None for text in index.dictionary.to_pylist()]
             summaries = [None if s is None else intern(s) for s in parsed]
             totals = [total_rows(s) for s in summaries]  # a row's summary is used where it adds up to its rows
-            codes = int64_values(index.indices).tolist()
+            code_array = int64_values(index.indices)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as error:
@@ -450,31 +511,53 @@ def load_manifest(path: Path, log_path: Path, stat: os.stat_result) -> _LogTail 
     loaded.files = {name: tuple(value) for name, value in meta["files"].items()}
     loaded.bad = [tuple(item) for item in meta["bad"]]
     loaded.index_runs = meta.get("index") or {}
-    columns = [_shared_strings(table.column(name)) if name in _FEW_VALUES else table.column(name).to_pylist()
-               for name in _MANIFEST_SCHEMA.names]
-    new = object.__new__
     records = loaded.records
     items = records._items
     if summaries is None:
-        summaries, totals, codes = [None], [None], itertools.repeat(0)
-    for at_row, ((shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset), code) in enumerate(
-            zip(zip(*columns), codes)):
-        if not shard and members is not None:  # a block of a merged file's members: one object, not one per member
-            low = bounds[at_row]
-            records.add_block(Block(file, row_offset, members.slice(low, bounds[at_row + 1] - low)))
+        summaries, totals, code_array = [None], [None], None
+    # Each row is a block of a merged file's members (v2: `shard` empty), a record in its own file (`file` empty)
+    # or a record of a compacted shard (v1 only). Long runs of records in their own files become one `Loose`
+    # each (columns, no object per record); blocks one object each; other rows a record each.
+    block_rows = _empty(table.column("shard")) if members is not None else np.zeros(table.num_rows, dtype=bool)
+    own_file = ~block_rows & _empty(table.column("file"))
+    kinds = np.where(block_rows, 0, np.where(own_file, 1, 2)).astype(np.int8)
+    starts = np.flatnonzero(np.diff(kinds)) + 1
+    bounds_of_runs = [0, *starts.tolist(), len(kinds)]
+    member_columns = table.select(MEMBER_FIELDS) if table.num_rows else None
+    for low, high in zip(bounds_of_runs[:-1], bounds_of_runs[1:]):
+        if low == high:
             continue
-        # CommitRecord(...) without the frozen dataclass's per-field object.__setattr__ (~3x faster per record)
-        record = items[shard] = new(CommitRecord)
-        fields = record.__dict__
-        (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
-         fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"],
-         fields["index"]) = (shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset,
-                             summaries[code] if code and totals[code] == count else None)
+        kind = int(kinds[low])
+        if kind == 1 and high - low >= LOOSE_MIN:
+            records.add_block(Loose(member_columns.slice(low, high - low),
+                                    None if code_array is None else code_array[low:high], summaries, totals,
+                                    regular=meta.get("regular_records") is True))
+            continue
+        part = table.slice(low, high - low)
+        if kind == 0:  # blocks of a merged file's members: one object each, not one per member
+            for at_row, file, row_offset in zip(range(low, high), part.column("file").to_pylist(),
+                                                part.column("row_offset").to_pylist()):
+                first_member = bounds[at_row]
+                records.add_block(Block(file, row_offset, members.slice(first_member, bounds[at_row + 1] - first_member)))
+            continue
+        columns = [_shared_strings(part.column(name)) if name in _FEW_VALUES else part.column(name).to_pylist()
+                   for name in _MANIFEST_SCHEMA.names]
+        row_codes = code_array[low:high].tolist() if code_array is not None else itertools.repeat(0)
+        new = object.__new__
+        for (shard, run_id, producer, chunk, count, size, sha256, at, file, row_offset), code in zip(zip(*columns), row_codes):
+            # CommitRecord(...) without the frozen dataclass's per-field object.__setattr__ (~3x faster per record)
+            record = items[shard] = new(CommitRecord)
+            fields = record.__dict__
+            (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
+             fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"],
+             fields["index"]) = (shard, run_id, producer, chunk, count, size, sha256, at, False, file, row_offset,
+                                 summaries[code] if code and totals[code] == count else None)
     chunks = meta.get("chunks")
-    if records.has_blocks and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved with them
+    if records.has_blocks and isinstance(chunks, dict):  # the blocks' producers and chunks, as saved with them (those
+        # of `Loose` runs are worked out from their columns when first needed)
         records.set_chunk_ranges({p: (int(lo), int(hi)) for p, (lo, hi) in chunks["ranges"].items()}
                                  if chunks.get("regular") else None)
-    loaded.rows = sum(columns[_MANIFEST_SCHEMA.names.index("rows")])
+    loaded.rows = int(int64_values(table.column("rows")).sum())
     loaded.changed = list(items)
     loaded.checkpoint_changes = len(loaded.changed)
     return loaded
@@ -948,7 +1031,7 @@ class ShardStore:
         cursor, items = self.changed_items(run_id, cursor)
         records: list[CommitRecord] = []
         for item in items:
-            if type(item) is Block:
+            if type(item) in GROUPED:
                 records.extend(item.records())
             else:
                 records.append(item)
@@ -956,7 +1039,8 @@ class ShardStore:
 
     def changed_items(self, run_id: str, cursor: tuple[int, int] | None = None) -> tuple[tuple[int, int], list[Any]]:
         """`changes`, with the members of a compacted file that the run's manifest holds as a block given as that
-        `Block` (file, first row, member columns), not as a record each: a follower indexes it whole."""
+        `Block` (file, first row, member columns), not as a record each: a follower indexes it whole; and the
+        records not compacted that it holds as a `Loose` run (member columns, each its own file) given as that."""
         log = self._read_log(run_id)
         end = len(log.changed)
         since = cursor[1] if cursor is not None and cursor[0] == log.generation and cursor[1] <= end else 0
@@ -1097,7 +1181,7 @@ class ShardStore:
         self.problems = []
         shards = self.shards_dir(run_id)
         finished = False
-        for name, size, sha256, ranges in self._read_log(run_id).live():
+        for name, size, sha256, ranges in self._read_log(run_id).iter_live():
             path = shards / name
             problem = self._check_file(path, size, sha256, checksum)
             if problem and not finished:

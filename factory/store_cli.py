@@ -31,6 +31,8 @@ def _main(argv: list[str] | None = None) -> int:
                         help="repair: delete temporary files older than this many seconds (default %(default)s)")
     parser.add_argument("--target-mb", type=float, default=256, help="compact: size of the merged files (default %(default)s)")
     parser.add_argument("--flush", action="store_true", help="compact: also merge a last batch under the target size")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="compact: processes writing merged files (default: one per core, at most 4; 1: one process)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     if is_store_url(args.root):
@@ -48,7 +50,8 @@ def _main(argv: list[str] | None = None) -> int:
             continue
         if args.command == "compact":
             try:
-                print(main_line(compact_run(store, run_id, target_bytes=int(args.target_mb * (1 << 20)), flush=args.flush)))
+                print(main_line(compact_run(store, run_id, target_bytes=int(args.target_mb * (1 << 20)), flush=args.flush,
+                                             workers=args.workers)))
             except (StoreError, OSError) as error:
                 print(f"factory-store: error: {error}", file=sys.stderr)
                 bad += 1

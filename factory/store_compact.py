@@ -31,7 +31,10 @@ Steps (each safe to be killed after):
 4. the member files are removed (several at a time: each removal mostly waits for the filesystem).
 A kill before 2 leaves a hidden temporary file (repair removes stale ones) and
 the shards as they were; after 2, the next commit, read or `repair` of the
-run finishes 3 and 4 from the log. Compaction runs beside live writers: they
+run finishes 3 and 4 from the log. Step 1 touches nothing but its temporary
+file, so it runs in worker processes (`compact_run(workers=N)`, up to N + 1
+batches ahead) while steps 2-4 stay in the compaction's own process, one merged
+file at a time and in plan order; the workers die with that process. Compaction runs beside live writers: they
 only wait for the lock during step 2.
 
 A run-api following the run when it is compacted reads the queued groups of
@@ -45,16 +48,21 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,7 +75,7 @@ from factory.parquet_pages import PageMerge
 from factory.schema import GROUP_SCHEMA
 from factory.store import (MANIFEST_EVERY_LINES, PARQUET_OPTIONS, CommitRecord, RecordMaybeLogged, ShardStore, StoreError,
                            _sha256, _write_failure, save_manifest)
-from factory.store_records import Block
+from factory.store_records import Block, Loose
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +98,16 @@ WRITE_BACK_BYTES = 16 << 20
 """While a merged file is written, its data is handed to the disk every this many bytes (see `_WriteBack`)."""
 UNLINK_THREADS = 16
 """Threads removing merged members (each mostly waits in the kernel; see `_Removals`)."""
+MAX_DEFAULT_WORKERS = 4
+"""Most worker processes `default_workers()` chooses (each merges ~200 MB/s of tiny shards on one core here; a few
+saturate a disk)."""
+PARALLEL_MIN_BYTES = 64 << 20
+"""Compactions of fewer bytes than this stay in one process: forking the workers and handing them the batches
+costs more than the ~0.3 s they can save."""
 OLD_WRITER_WINDOW = 64 << 10
 """Bytes at the end of the log checked for records without a checksum (an old writer still appending)."""
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal a process gets when its parent ends."""
 
 
 @dataclass
@@ -168,8 +184,13 @@ def compact_run(
     copy: bool | None = None,
     copy_min_shard_bytes: int = COPY_MIN_SHARD_BYTES,
     method: str | None = None,
+    workers: int | None = None,
 ) -> CompactReport:
     """Merge the run's shards into files of about `target_bytes` (see the module docstring).
+
+    `workers` processes write the merged files (step 1) while this one commits them (steps 2-4), one at a time and
+    in plan order, as a single process would (see `_merge_in_workers`); None: `default_workers()`; 1, or a
+    compaction of one batch or under PARALLEL_MIN_BYTES: all in this process.
 
     How a merged file is written (`method`; by default chosen per file):
     - "row_groups": the members' row groups copied as they are (factory/parquet_concat.py), the default where the
@@ -197,13 +218,23 @@ def compact_run(
     with gc_paused():
         try:
             # records not compacted yet, in commit order (blocks of members compacted before are skipped whole)
-            pending = [item for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
-                       if type(item) is not Block]
-            for batch in plan(pending, target_bytes, flush=flush):
-                how = method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch) else "pages")
-                name = _merge(store, run_id, batch, row_group_groups, report, how, removals)
+            pending = [record for item in store._read_log(run_id, checkpoint=False).records.items_in_order()
+                       if type(item) is not Block for record in (item.records() if type(item) is Loose else (item,))]
+            batches = plan(pending, target_bytes, flush=flush)
+            hows = [method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch)
+                               else "pages") for batch in batches]
+            workers = default_workers() if workers is None else workers
+
+            def merged(batch: list[CommitRecord], name: str | None) -> None:
                 if name and progress:
                     progress(f"{run_id}: merged {len(batch)} shards into {name}")
+
+            if workers > 1 and len(batches) > 1 and sum(r.bytes for b in batches for r in b) >= PARALLEL_MIN_BYTES:
+                _merge_in_workers(store, run_id, batches, hows, row_group_groups, report, removals,
+                                  min(workers, len(batches)), merged)
+            else:
+                for batch, how in zip(batches, hows):
+                    merged(batch, _merge(store, run_id, batch, row_group_groups, report, how, removals))
         finally:
             removals.finish()
         if report.shards >= MANIFEST_EVERY_LINES:
@@ -231,46 +262,180 @@ def checkpoint(store: ShardStore, run_id: str) -> None:
 
 def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_groups: int, report: CompactReport,
            how: str = "pages", removals: _Removals | None = None) -> str | None:
-    shards = store.shards_dir(run_id)
+    """Merge one batch in this process: step 1 (`_build`), then steps 2-4 (`_commit`)."""
+    name, tmp = _names(store.shards_dir(run_id), batch)
+    built = _build(os.fspath(store.shards_dir(run_id)), _members_of(batch), row_group_groups, how, name, tmp)
+    return _commit(store, run_id, batch, built, report, removals)
+
+
+def default_workers() -> int:
+    """Worker processes for a compaction on this machine: one per core this process may run on, at most
+    MAX_DEFAULT_WORKERS (1, all in one process, on a single core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_DEFAULT_WORKERS, cores))
+
+
+def _merge_in_workers(store: ShardStore, run_id: str, batches: list[list[CommitRecord]], hows: list[str],
+                      row_group_groups: int, report: CompactReport, removals: _Removals, workers: int,
+                      merged: Callable[[list[CommitRecord], str | None], None]) -> None:
+    """`_merge` of each batch with step 1 (`_build`: read, check, write and fsync the temporary file, its index
+    summary) in `workers` processes, up to `workers` + 1 batches ahead, and steps 2-4 (`_commit`) here, in plan
+    order: the log gets the same records, in the same order, under the same lock as from one process. Merging is
+    CPU-bound on one core (~160 us a tiny member: footer parsing, two sha256, reads and writes), committing is not.
+
+    Workers are forked (a spawned one imports pyarrow, ~0.3 s a worker), before the compaction starts any thread
+    of its own (its read-ahead, write-back and removal threads), and die with it (`_worker_started`): a kill -9 of the compaction leaves at most their hidden temporary
+    files, never a record, as a kill of a single process does (repair removes stale ones). A worker's error fails
+    its batch as it would in one process: the batches before it stay committed, the later ones are abandoned, the
+    workers stopped and the temporary files of every uncommitted batch removed before it is raised. A worker's
+    death does the same, except that it breaks the pool: batches built but not yet committed are abandoned too."""
+    directory = os.fspath(store.shards_dir(run_id))
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_started, initargs=(os.getpid(),))
+    queued = iter(zip(batches, hows))
+    ahead: deque[tuple[list[CommitRecord], str, Future[_Built]]] = deque()
+
+    def submit(limit: int) -> None:
+        while len(ahead) < limit and (item := next(queued, None)) is not None:
+            batch, how = item
+            name, tmp = _names(store.shards_dir(run_id), batch)
+            ahead.append((batch, tmp, pool.submit(_build, directory, _members_of(batch), row_group_groups, how, name, tmp)))
+
+    try:
+        submit(workers + 1)  # one batch queued beyond those being built: the next worker to finish goes on at once
+        while ahead:
+            batch, _tmp, job = ahead[0]
+            built = job.result()
+            submit(workers + 2)  # before this batch leaves `ahead`: its file is removed below if this fails
+            ahead.popleft()
+            merged(batch, _commit(store, run_id, batch, built, report, removals))
+    except BrokenProcessPool as error:
+        raise StoreError(f"run {run_id}: a compaction worker process died (killed, or out of memory?); the files "
+                         "merged before it are committed, the shards not merged yet left as they were: compact "
+                         "again") from error
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for _batch, tmp, _job in ahead:  # the workers are stopped: nothing writes these any more
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
+def _worker_started(parent: int) -> None:
+    """A compaction worker's first step: die with the compaction (Linux: SIGKILL when its parent ends, however it
+    ends), and leave Ctrl-C to the parent, which stops the workers and removes their temporary files."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the line above
+        os._exit(1)
+
+
+def _names(shards: Path, batch: list[CommitRecord]) -> tuple[str, str]:
+    """The merged file's name and the hidden temporary name it is written under."""
     name = f"compact-{Path(batch[0].shard).stem}-{uuid.uuid4().hex[:8]}.parquet"
-    tmp = shards / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
-    logged = False
+    return name, os.path.join(os.fspath(shards), f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+
+
+class _Member(NamedTuple):
+    """What step 1 needs of a member's commit record (sent to a worker process: a tuple pickles in a fraction of
+    the time of a `CommitRecord`)."""
+
+    shard: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+def _members_of(batch: list[CommitRecord]) -> list[_Member]:
+    return [_Member(r.shard, r.rows, r.bytes, r.sha256) for r in batch]
+
+
+@dataclass
+class _Built:
+    """Step 1's result: the temporary file `tmp` holding the merged rows (fsynced, with its directory entry), or
+    `problem` (why a member cannot be merged; `tmp` then removed)."""
+
+    name: str
+    tmp: str
+    how: str
+    rows: int = 0
+    size: int = 0
+    checksum: str = ""
+    problem: str | None = None
+    refused: str | None = None
+    """Why the members were decoded and re-encoded instead of copied (None: they were copied)."""
+    summary: dict[str, Any] | None = None
+    """The index summary for the record (see `_index_summary`)."""
+    notes: list[str] = field(default_factory=list)
+    """Warnings for the caller to log (a worker process logs nothing itself: its handlers are the parent's copies)."""
+
+
+def _build(directory: str, batch: list[_Member], row_group_groups: int, how: str, name: str, tmp: str) -> _Built:
+    """Step 1 of a merge: the members, read and checked, merged into `tmp`. Touches nothing but `tmp` (removed here
+    on any error or problem), so it runs as well in a worker process as in the compaction's own."""
+    shards, path = Path(directory), Path(tmp)
+    built = _Built(name, tmp, how)
+    kept = False
     try:
         try:
             checksum: str | None = None
-            refused = "asked to decode" if how == "decode" else None
-            if how != "decode":
+            if how == "decode":
+                built.refused = "asked to decode"
+            else:
                 try:
                     if how == "row_groups":
-                        rows, problem, checksum = _write_concatenated(shards, tmp, batch)
+                        built.rows, built.problem, checksum = _write_concatenated(shards, path, batch)
                     else:
-                        rows, problem, checksum = _write_pages(shards, tmp, batch, row_group_groups)
+                        built.rows, built.problem, checksum = _write_pages(shards, path, batch, row_group_groups)
                 except ConcatRefused as error:
-                    refused = str(error)
-                    logger.warning("run %s: merging %d shards (first %s) by decoding them: their %s cannot be copied "
-                                   "as they are: %s", run_id, len(batch), batch[0].shard,
-                                   "row groups" if how == "row_groups" else "pages", refused)
-            if refused is not None:
-                rows, problem = _write_merged(shards, tmp, batch, row_group_groups)
-            if problem:
-                report.skipped.append(problem)
-                logger.error("run %s: %s; those shards are left as they are", run_id, problem)
-                return None
-            size = tmp.stat().st_size
-            if checksum is None:
-                checksum = _sha256(tmp)
+                    built.refused = str(error)
+                    built.notes.append(f"merging {len(batch)} shards (first {batch[0].shard}) by decoding them: their "
+                                       f"{'row groups' if how == 'row_groups' else 'pages'} cannot be copied as they "
+                                       f"are: {built.refused}")
+            if built.refused is not None:
+                built.rows, built.problem = _write_merged(shards, path, batch, row_group_groups)
+            if built.problem:
+                return built
+            built.size = path.stat().st_size
+            built.checksum = checksum if checksum is not None else _sha256(path)
             fsync_dir(shards)
         except OSError as error:
-            raise _write_failure("writing compacted file", tmp, error) from error
+            raise _write_failure("writing compacted file", path, error) from error
+        built.summary = _index_summary(path, built.rows, built.notes)
+        kept = True
+        return built
+    finally:
+        if not kept:
+            path.unlink(missing_ok=True)
+
+
+def _commit(store: ShardStore, run_id: str, batch: list[CommitRecord], built: _Built, report: CompactReport,
+            removals: _Removals | None = None) -> str | None:
+    """Steps 2-4 of a merge, in the compaction's own process: the record appended under the run's lock (if the
+    members are still committed as they were), the rename, the members' removal. `built.tmp` is removed unless
+    the record was (or may have been) appended."""
+    shards = store.shards_dir(run_id)
+    name, tmp = built.name, Path(built.tmp)
+    for note in built.notes:
+        logger.warning("run %s: %s", run_id, note)
+    logged = False
+    try:
+        if built.problem:
+            report.skipped.append(built.problem)
+            logger.error("run %s: %s; those shards are left as they are", run_id, built.problem)
+            return None
         _reached("written")
         record = {
-            "compact": name, "run_id": run_id, "rows": rows, "bytes": size, "sha256": checksum,
+            "compact": name, "run_id": run_id, "rows": built.rows, "bytes": built.size, "sha256": built.checksum,
             "members": [[r.shard, r.rows, r.sha256] for r in batch],
             "committed_at": datetime.now(timezone.utc).isoformat(),
         }
-        summary = _index_summary(tmp, rows)
-        if summary is not None:
-            record["index"] = summary
+        if built.summary is not None:
+            record["index"] = built.summary
         with store._locked(run_id):
             # not `committed`: a copy of the whole history per file; and no manifest saved per merged file (each
             # record moves thousands of shards, so the store's rule would save one every few files: ~50 us per
@@ -302,29 +467,29 @@ def _merge(store: ShardStore, run_id: str, batch: list[CommitRecord], row_group_
         if not logged:
             tmp.unlink(missing_ok=True)
     report.files.append(name)
-    if refused is None and how == "row_groups":
+    if built.refused is None and built.how == "row_groups":
         report.copied += 1
-    elif refused is None:
+    elif built.refused is None:
         report.paged += 1
     else:
-        report.decoded.append(refused)
+        report.decoded.append(built.refused)
     report.shards += len(batch)
-    report.rows += rows
+    report.rows += built.rows
     report.bytes_in += sum(r.bytes for r in batch)
-    report.bytes_out += size
-    logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), rows, name, size)
+    report.bytes_out += built.size
+    logger.info("run %s: merged %d shards (%d rows) into %s (%d bytes)", run_id, len(batch), built.rows, name, built.size)
     return name
 
 
-def _index_summary(path: Path, rows: int) -> dict[str, Any] | None:
+def _index_summary(path: Path, rows: int, notes: list[str]) -> dict[str, Any] | None:
     """The merged file's index columns as runs (factory/index_runs.py), read back from it while it is in the page
     cache: run-api's start-up then makes them instead of decoding them. None where they change too often, or
-    cannot be read (the file is checked like any other when it is served)."""
+    cannot be read (the file is checked like any other when it is served; why is added to `notes`)."""
     try:
         with pq.ParquetFile(path) as parquet:
             index = parquet.read(columns=INDEX_COLUMNS, use_threads=False)
     except (OSError, pa.ArrowException) as error:
-        logger.warning("no index summary for %s: %s", path, error)
+        notes.append(f"no index summary for {path}: {error}")
         return None
     return summarize(index) if index.num_rows == rows else None
 
@@ -401,7 +566,7 @@ class _Members:
     What is read is what the member's file holds when this thread opens it, checked against the log's size and
     sha256 as before. Leaving the loop stops the walking thread (joined on exit)."""
 
-    def __init__(self, directory: str, batch: list[CommitRecord], ahead_bytes: int = READ_AHEAD_BYTES) -> None:
+    def __init__(self, directory: str, batch: list[_Member], ahead_bytes: int = READ_AHEAD_BYTES) -> None:
         self.batch, self.ahead_bytes = batch, ahead_bytes
         self.paths = [os.path.join(directory, record.shard) for record in batch]
         self.flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -439,7 +604,7 @@ class _Members:
     def __enter__(self) -> _Members:
         return self
 
-    def __iter__(self) -> Iterator[tuple[CommitRecord, str, int | None]]:
+    def __iter__(self) -> Iterator[tuple[_Member, str, int | None]]:
         if len(self.batch) > 1 and self.ahead_bytes > 0 and hasattr(os, "posix_fadvise"):
             self.thread = threading.Thread(target=self._read_ahead, name="compact-read-ahead", daemon=True)
             self.thread.start()
@@ -509,7 +674,7 @@ def _read_member(fd: int, size: int) -> bytes:
     return data
 
 
-def _member_bytes(member: int | None, record: CommitRecord, path: Any) -> tuple[bytes | None, str | None]:
+def _member_bytes(member: int | None, record: _Member, path: Any) -> tuple[bytes | None, str | None]:
     """A member's bytes read from its open descriptor (closed here), or None and why it cannot be merged (missing,
     or not the size its commit record says); the sha256 check is the caller's (one merge hashes on a thread)."""
     if member is None:
@@ -524,7 +689,7 @@ def _member_bytes(member: int | None, record: CommitRecord, path: Any) -> tuple[
     return data, None
 
 
-def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> tuple[int, str | None, str | None]:
+def _write_concatenated(shards: Path, tmp: Path, batch: list[_Member]) -> tuple[int, str | None, str | None]:
     """Write the members' row groups, in order and as they are, to `tmp`; (rows, None, sha256 of `tmp`) or
     (0, why a member cannot be merged, None). Raises `ConcatRefused` where they cannot be copied as they are.
 
@@ -580,7 +745,7 @@ def _write_concatenated(shards: Path, tmp: Path, batch: list[CommitRecord]) -> t
     return rows, None, digest.hexdigest()
 
 
-def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_groups: int) -> tuple[int, str | None, str | None]:
+def _write_pages(shards: Path, tmp: Path, batch: list[_Member], row_group_groups: int) -> tuple[int, str | None, str | None]:
     """Write the members' rows, in order, to `tmp`, their pages gathered into row groups of at least
     `row_group_groups` rows (factory/parquet_pages.py); (rows, None, sha256 of `tmp`) or (0, why a member cannot be
     merged, None). Raises `ConcatRefused` where the pages cannot be gathered as they are.
@@ -631,7 +796,7 @@ def _write_pages(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_g
     return rows, None, digest.hexdigest()
 
 
-def _write_merged(shards: Path, tmp: Path, batch: list[CommitRecord], row_group_groups: int) -> tuple[int, str | None]:
+def _write_merged(shards: Path, tmp: Path, batch: list[_Member], row_group_groups: int) -> tuple[int, str | None]:
     """Write the members' rows, in order, to `tmp`; (rows, None) or (0, why a member cannot be merged)."""
     rows = 0
     with open(tmp, "wb") as handle:

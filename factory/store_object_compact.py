@@ -178,9 +178,10 @@ def finish_compactions(store: ObjectShardStore, run_id: str, keep_members_s: flo
 
 
 def compact_store_run(store: ShardStore | ObjectShardStore, run_id: str, *, target_bytes: int = DEFAULT_TARGET_BYTES,
-                      flush: bool = True) -> CompactReport:
-    """One run's compaction on whichever backend `store` is: a local or shared path (factory/store_compact.py) or
-    an object store (this module)."""
+                      flush: bool = True, workers: int | None = None) -> CompactReport:
+    """One run's compaction on whichever backend `store` is: a local or shared path (factory/store_compact.py, with
+    `workers` processes writing the merged files) or an object store (this module: one process, `workers` unused;
+    its merge waits mostly for GETs and PUTs, which `_members` already overlaps)."""
     if isinstance(store, ObjectShardStore):
         return compact_object_run(store, run_id, target_bytes=target_bytes, flush=flush)
-    return compact_run(store, run_id, target_bytes=target_bytes, flush=flush)
+    return compact_run(store, run_id, target_bytes=target_bytes, flush=flush, workers=workers)

@@ -7,10 +7,17 @@ object per merged file and per shard not yet compacted, not per member. Everythi
 record by name, or for every record, still gets `CommitRecord`s (made when asked). A change to one member of a
 block (a shard re-committed over a compacted one, a compaction record naming one: both rare) first turns every
 block back into records (`Records.explode`), so that blocks never hold anything but current, unchanged members.
+
+Before a compaction the history is a million shards each in its own file. The manifest keeps those as a row each;
+`Records` keeps each long run of consecutive such rows as one `Loose` (the same columns, each member its own file,
+its index summary by a code into the manifest's dictionary of summaries), with the same rules: a record made when
+asked for, and a change to one member turning every block back into records first. So a reader that wants the
+first files of a run's history (the export, the viewer's first page) makes no object per shard of it.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -86,14 +93,40 @@ def chunk_ranges(names: pa.ChunkedArray) -> dict[str, tuple[int, int]] | None:
     parts = parts.combine_chunks()
     if not len(parts):
         return {}
-    producers = parts.field(0).dictionary_encode()
+    return _ranges_of(parts.field(0), int64_values(pc.cast(parts.field(1), pa.int64())))
+
+
+def _ranges_of(producer_names: pa.Array, chunks: np.ndarray) -> dict[str, tuple[int, int]]:
+    producers = producer_names.dictionary_encode()
     codes = int64_values(producers.indices)
-    chunks = int64_values(pc.cast(parts.field(1), pa.int64()))
     lows = np.full(len(producers.dictionary), np.iinfo(np.int64).max, dtype=np.int64)
     highs = np.full(len(producers.dictionary), -1, dtype=np.int64)
     np.minimum.at(lows, codes, chunks)
     np.maximum.at(highs, codes, chunks)
     return {p: (int(lo), int(hi)) for p, lo, hi in zip(producers.dictionary.to_pylist(), lows, highs)}
+
+
+def regular_names(names: pa.ChunkedArray, producers: pa.ChunkedArray, chunks: pa.ChunkedArray) -> bool:
+    """Whether every shard name is `<producer>-<chunk:08d>.parquet` of its own producer and chunk (as commits name
+    shards), one compare per name."""
+    import pyarrow.compute as pc
+
+    count = len(names)
+    if not count:
+        return True
+    # (constants as arrays: a Python string passed to a compute function becomes a pa.scalar, which imports pandas)
+    expected = pc.binary_join_element_wise(
+        producers.combine_chunks(), _repeated("-", count),
+        pc.utf8_lpad(pc.cast(chunks.combine_chunks(), pa.string()), width=8, padding="0"),
+        _repeated(".parquet", count), _repeated("", count))
+    return bool(pc.all(pc.equal(names.combine_chunks(), expected)).as_py())
+
+
+def _repeated(text: str, count: int) -> pa.Array:
+    """A string array of `text` `count` times, from buffers."""
+    data = text.encode()
+    offsets = np.arange(count + 1, dtype=np.int32) * len(data)
+    return pa.Array.from_buffers(pa.string(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data * count)])
 
 
 class Block:
@@ -139,10 +172,135 @@ class Block:
         return record
 
 
+LOOSE_MIN = 64
+"""Consecutive records not compacted that a manifest's reader keeps as one `Loose` (fewer stay records)."""
+_LOOSE_KEYS = iter(range(1, 1 << 62))
+
+
+class Loose:
+    """Consecutive records of shards in their own files (not compacted), as columns: members are their own file
+    (`file` empty, `row_offset` 0), each with its index summary (`summaries[codes[i]]` where that adds up to its
+    rows, else None; see store.load_manifest)."""
+
+    __slots__ = ("members", "codes", "summaries", "totals", "key", "regular", "_lists", "_names", "_rows")
+
+    def __init__(self, members: pa.Table, codes: np.ndarray | None, summaries: list[Any], totals: list[Any],
+                 key: str | None = None, regular: bool = False) -> None:
+        self.members, self.codes, self.summaries, self.totals = members, codes, summaries, totals
+        self.regular = regular
+        """Every member's name is known to be `<producer>-<chunk:08d>.parquet` of its own (`regular_names`; the
+        manifest says so of its records); False: not known."""
+        self.key = key if key is not None else f"\x00\x00{next(_LOOSE_KEYS)}"
+        """Its key among `Records`' items and in a log's change list (no shard name or `Block.key` starts so)."""
+        self._lists: list[list[Any]] | None = None
+        self._names: list[str] | None = None
+        self._rows: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.members.num_rows
+
+    def slice(self, start: int, stop: int | None = None) -> Loose:
+        """Members `start .. stop` as a Loose under the same key (the viewer indexes a pending one newest first)."""
+        stop = len(self) if stop is None else stop
+        codes = None if self.codes is None else self.codes[start:stop]
+        return Loose(self.members.slice(start, stop - start), codes, self.summaries, self.totals, self.key,
+                     self.regular)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Rows of each member."""
+        if self._rows is None:
+            self._rows = int64_values(self.members.column("rows"))
+        return self._rows
+
+    @property
+    def total(self) -> int:
+        return int(self.rows.sum())
+
+    def names(self) -> list[str]:
+        """The members' shard names (made once; not the other fields, which a lookup by name does not need)."""
+        if self._names is None:
+            self._names = self.members.column("shard").to_pylist() if self._lists is None else self._lists[0]
+        return self._names
+
+    def lists(self) -> list[list[Any]]:
+        """The members' `MEMBER_FIELDS` as Python lists (made once)."""
+        if self._lists is None:
+            self._lists = [self.names() if name == "shard" else self.members.column(name).to_pylist()
+                           for name in MEMBER_FIELDS]
+        return self._lists
+
+    def _summary(self, index: int, rows: int) -> dict[str, Any] | None:
+        if self.codes is None:
+            return None
+        code = int(self.codes[index])
+        return self.summaries[code] if code and self.totals[code] == rows else None
+
+    def chunk_ranges(self) -> dict[str, tuple[int, int]] | None:
+        """`chunk_ranges` of the members' names: from their producer and chunk columns where every name is
+        `<producer>-<chunk:08d>.parquet` of its own (as commits name shards; one compare per name, not a regex)."""
+        if not len(self):
+            return {}
+        names, producers, chunks = (self.members.column(name) for name in ("shard", "producer", "chunk"))
+        if not (self.regular or regular_names(names, producers, chunks)):
+            return chunk_ranges(names)
+        return _ranges_of(producers.combine_chunks(), int64_values(chunks))
+
+    def files(self) -> Iterator[tuple[str, int, str]]:
+        """(name, bytes, sha256) of each member's file, in order, without making its record."""
+        shards, sizes, hashes = (self.members.column(name) for name in ("shard", "bytes", "sha256"))
+        step = 4096  # a few thousand at a time: the first file is handed out before the rest are made Python values
+        for start in range(0, len(self), step):
+            yield from zip(shards.slice(start, step).to_pylist(), sizes.slice(start, step).to_pylist(),
+                           hashes.slice(start, step).to_pylist())
+
+    def records(self) -> list[CommitRecord]:
+        """The members' records, in order (each made here, as `Block.records`)."""
+        from factory.store import CommitRecord
+
+        codes = self.codes.tolist() if self.codes is not None else itertools.repeat(0)
+        summaries, totals, new, result = self.summaries, self.totals, object.__new__, []
+        for (shard, run_id, producer, chunk, rows, size, sha256, at), code in zip(zip(*self.lists()), codes):
+            record = new(CommitRecord)
+            fields = record.__dict__  # (assigned one by one: ~2x faster than update() with keywords)
+            (fields["shard"], fields["run_id"], fields["producer"], fields["chunk"], fields["rows"], fields["bytes"],
+             fields["sha256"], fields["committed_at"], fields["skipped"], fields["file"], fields["row_offset"],
+             fields["index"]) = (shard, run_id, producer, chunk, rows, size, sha256, at, False, "", 0,
+                                 summaries[code] if code and totals[code] == rows else None)
+            result.append(record)
+        return result
+
+    def own_files(self) -> Iterator[tuple[int, str, int, int, dict[str, Any] | None]]:
+        """(position, shard, rows, bytes, index summary or None) of each member, without making its record (nor
+        Python values of the fields it does not give: run-api's start-up at a million shards)."""
+        rows_, sizes = self.members.column("rows").to_pylist(), self.members.column("bytes").to_pylist()
+        codes = self.codes.tolist() if self.codes is not None else itertools.repeat(0)
+        summaries, totals = self.summaries, self.totals
+        for at, (shard, rows, size, code) in enumerate(zip(self.names(), rows_, sizes, codes)):
+            yield at, shard, rows, size, summaries[code] if code and totals[code] == rows else None
+
+    def record(self, index: int) -> CommitRecord:
+        from factory.store import CommitRecord
+
+        shards, run_ids, producers, chunks, rows_, sizes, hashes, times = self.lists()
+        rows = rows_[index]
+        record = object.__new__(CommitRecord)
+        record.__dict__.update(shard=shards[index], run_id=run_ids[index], producer=producers[index],
+                               chunk=chunks[index], rows=rows, bytes=sizes[index], sha256=hashes[index],
+                               committed_at=times[index], skipped=False, file="", row_offset=0,
+                               index=self._summary(index, rows))
+        return record
+
+
+GROUPED = (Block, Loose)
+"""The item types of `Records` that hold many members (anything else is a `CommitRecord`)."""
+
+
 class Records:
     """Current records by shard name, in log order (a re-committed shard moves to the end; a compacted one keeps
-    its place), with blocks of compacted members kept as `Block`s: the mapping a dict of records was, plus
-    `items_in_order` and `blocks` for callers that can take a block whole."""
+    its place), with blocks of compacted members kept as `Block`s and runs of loaded records not compacted as
+    `Loose`: the mapping a dict of records was, plus `items_in_order` and `block` for callers that can take a block
+    whole."""
 
     def __init__(self) -> None:
         self._items: dict[str, Any] = {}
@@ -150,23 +308,26 @@ class Records:
         self._members = 0
         self._index: dict[str, tuple[Block, int]] | None = None
         self._ranges: dict[str, tuple[int, int]] | None = None
+        self._block_ranges: dict[str, tuple[int, int]] | None | bool = False
+        """`chunk_ranges` of the `Block`s' names where known (saved with the manifest); False: not known."""
         self._irregular = False
         self.on_explode: Callable[[dict[str, list[str]]], None] | None = None
         """Called with {block key: member names} after `explode`, so a log's change list can follow."""
 
     # ---- blocks ----
-    def add_block(self, block: Block) -> None:
+    def add_block(self, block: Block | Loose) -> None:
         self._items[block.key] = block
         self._blocks += 1
         self._members += len(block)
         self._index = self._ranges = None
+        self._block_ranges = False
 
     @property
     def has_blocks(self) -> bool:
         return self._blocks > 0
 
     def items_in_order(self) -> Iterator[Any]:
-        """Records and blocks, in log order."""
+        """Records and blocks (`Block`, `Loose`), in log order."""
         return iter(self._items.values())
 
     def block(self, key: str) -> Block | None:
@@ -187,23 +348,43 @@ class Records:
         return span is not None and span[0] <= int(match.group(2)) <= span[1]
 
     def _chunk_ranges(self) -> dict[str, tuple[int, int]]:
-        blocks = [item for item in self._items.values() if type(item) is Block]
-        ranges = chunk_ranges(pa.chunked_array(
-            [chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string()))
-        self._irregular = ranges is None
-        return ranges or {}
+        parts: list[dict[str, tuple[int, int]] | None] = []
+        if self._block_ranges is False:
+            blocks = [item for item in self._items.values() if type(item) is Block]
+            if blocks:  # (none: no pyarrow.compute call, whose first one costs an import)
+                parts.append(chunk_ranges(pa.chunked_array(
+                    [chunk for b in blocks for chunk in b.members.column("shard").chunks], pa.string())))
+        else:
+            parts.append(self._block_ranges)  # type: ignore[arg-type]
+        parts += [item.chunk_ranges() for item in self._items.values() if type(item) is Loose]
+        self._irregular = any(part is None for part in parts)
+        ranges: dict[str, tuple[int, int]] = {}
+        for part in parts:
+            for producer, (low, high) in (part or {}).items():
+                known = ranges.get(producer)
+                ranges[producer] = (low, high) if known is None else (min(known[0], low), max(known[1], high))
+        return ranges
 
     def set_chunk_ranges(self, ranges: dict[str, tuple[int, int]] | None) -> None:
-        """What `chunk_ranges` says of the blocks' names, known already (saved with the manifest)."""
-        self._ranges, self._irregular = (ranges or {}), ranges is None
+        """What `chunk_ranges` says of the `Block`s' names, known already (saved with the manifest); those of the
+        `Loose` runs are worked out from their columns when first needed."""
+        self._block_ranges = ranges
+        if any(type(item) is Loose for item in self._items.values()):
+            self._ranges = None
+        else:
+            self._ranges, self._irregular = (ranges or {}), ranges is None
 
-    def _in_blocks(self, name: str) -> tuple[Block, int] | None:
-        if not self._blocks or not self._may_hold(name):
+    def _in_blocks(self, name: str) -> tuple[Block | Loose, int] | None:
+        if not self._blocks:
+            return None
+        if self._index is not None:  # (built: one look, not the name's chunk range first)
+            return self._index.get(name)
+        if not self._may_hold(name):
             return None
         if self._index is None:
-            index: dict[str, tuple[Block, int]] = {}
+            index: dict[str, tuple[Block | Loose, int]] = {}
             for item in self._items.values():
-                if type(item) is Block:
+                if type(item) in GROUPED:
                     index.update(zip(item.names(), ((item, i) for i in range(len(item)))))
             self._index = index
         return self._index.get(name)
@@ -214,7 +395,19 @@ class Records:
         if item is not None:
             return item.physical, item.row_offset
         hit = self._in_blocks(name)
-        return (hit[0].file, int(hit[0].offsets[hit[1]])) if hit else None
+        if hit is None:
+            return None
+        block, at = hit
+        return (name, 0) if type(block) is Loose else (block.file, int(block.offsets[at]))
+
+    def own(self, name: str) -> CommitRecord | None:
+        """A shard's record where it is a record or a member of a `Loose` (made then); None for a member of a
+        compacted block (not in its own file) or a shard not committed."""
+        item = self._items.get(name)
+        if item is not None:
+            return item
+        hit = self._in_blocks(name)
+        return hit[0].record(hit[1]) if hit is not None and type(hit[0]) is Loose else None
 
     def explode(self) -> None:
         """Turn every block back into records, in place (see the module docstring)."""
@@ -223,13 +416,14 @@ class Records:
         items: dict[str, Any] = {}
         expanded: dict[str, list[str]] = {}
         for key, item in self._items.items():
-            if type(item) is Block:
+            if type(item) in GROUPED:
                 records = item.records()
                 expanded[key] = [r.shard for r in records]
                 items.update((r.shard, r) for r in records)
             else:
                 items[key] = item
         self._items, self._blocks, self._members, self._index, self._ranges = items, 0, 0, None, None
+        self._block_ranges = False
         if self.on_explode is not None:
             self.on_explode(expanded)
 
@@ -255,7 +449,7 @@ class Records:
 
     def __iter__(self) -> Iterator[str]:
         for key, item in self._items.items():
-            if type(item) is Block:
+            if type(item) in GROUPED:
                 yield from item.names()
             else:
                 yield key
@@ -265,7 +459,7 @@ class Records:
 
     def values(self) -> Iterator[CommitRecord]:
         for item in self._items.values():
-            if type(item) is Block:
+            if type(item) in GROUPED:
                 yield from item.records()
             else:
                 yield item

@@ -3,6 +3,7 @@
     python -m flows.compact --store-root data/store --runs run-1 run-2 --target-mb 256
     python -m flows.compact --store-root data/store --flush      # every run, including a last file under target
     python -m flows.compact --store-root s3://bucket/store --runs run-1   # an object store (factory/store_object_compact.py)
+    python -m flows.compact --store-root data/store --workers 1  # all in one process (default: a worker per core)
 
 Each run's merge is recorded in its commit log (factory/store_compact.py): readers see every group once before,
 during and after, a kill at any point is finished or undone by the next reader, and run-api's served state (keyed
@@ -24,8 +25,10 @@ from tasks.compact import compact_run_task
 
 
 @flow(name="compact", log_prints=False)
-def compact(store_root: str, runs: list[str] | None = None, target_mb: int = 256, flush: bool = False) -> list[dict[str, Any]]:
-    """Compact `runs` of the store (default: every run) into files of about `target_mb`; returns one report per run."""
+def compact(store_root: str, runs: list[str] | None = None, target_mb: int = 256, flush: bool = False,
+            workers: int | None = None) -> list[dict[str, Any]]:
+    """Compact `runs` of the store (default: every run) into files of about `target_mb`, written by `workers`
+    processes (None: one per core, at most 4; 1: in the task's own process); returns one report per run."""
     logger = get_run_logger()
     store = open_store(store_root)
     known = store.runs()
@@ -37,7 +40,7 @@ def compact(store_root: str, runs: list[str] | None = None, target_mb: int = 256
         logger.warning("no runs under %s: nothing to compact (is store_root the datagen runs' store?)", store.root)
     reports = []
     for run in names:
-        report = compact_run_task(store_root, run, target_bytes=target_mb << 20, flush=flush)
+        report = compact_run_task(store_root, run, target_bytes=target_mb << 20, flush=flush, workers=workers)
         logger.info("%s", report["summary"])
         reports.append(report)
     return reports
@@ -49,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="*", default=None)
     parser.add_argument("--target-mb", type=int, default=256)
     parser.add_argument("--flush", action="store_true", help="also merge a last batch smaller than the target")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes writing merged files (default: one per core, at most 4; 1: one process)")
     args = parser.parse_args(argv)
-    compact(args.store_root, args.runs, args.target_mb, args.flush)
+    compact(args.store_root, args.runs, args.target_mb, args.flush, args.workers)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ from factory.store_object import open_store
 from factory.store_object_compact import compact_store_run
 
 
-def compact_one_run(store_root: str, run_id: str, target_bytes: int = DEFAULT_TARGET_BYTES, flush: bool = False) -> dict[str, Any]:
-    """Compact one run of the store (a directory or s3://bucket/prefix); returns the report as a dict (with a one-line
+def compact_one_run(store_root: str, run_id: str, target_bytes: int = DEFAULT_TARGET_BYTES, flush: bool = False,
+                    workers: int | None = None) -> dict[str, Any]:
+    """Compact one run of the store (a directory or s3://bucket/prefix) with `workers` processes writing the merged
+    files (None: one per core, factory.store_compact.default_workers); returns the report as a dict (with a one-line
     summary)."""
-    report = compact_store_run(open_store(store_root), run_id, target_bytes=target_bytes, flush=flush)
+    report = compact_store_run(open_store(store_root), run_id, target_bytes=target_bytes, flush=flush, workers=workers)
     return {"run_id": run_id, "files": report.files, "shards": report.shards, "rows": report.rows,
             "bytes_in": report.bytes_in, "bytes_out": report.bytes_out, "seconds": report.seconds,
             "mb_per_s": report.mb_per_s, "skipped": report.skipped, "summary": main_line(report)}

@@ -4,6 +4,7 @@
     python -m bench.serve.run --record       # the same, appending the JSON lines to bench/results/serve.jsonl
     python -m bench.serve.run --pairs 5 --groups 2000
     ATROPOS_VENV=/work/.venv-atropos python -m bench.serve.run   # where the atroposlib venv already is
+    python -m bench.serve.run --versus /tmp/base   # ours from another source tree vs this one, interleaved
     python -m bench.serve.run --smoke        # seconds: tiny load, one pair (ours only if the Atropos venv is absent)
     python -m bench.serve.run --rss 1000,10000   # ours: server RSS after ingesting that many groups (8 clients, 64/request)
     python -m bench.serve.run --queue-rss 10000,100000   # ours: server RSS with that many groups queued from a followed run
@@ -184,24 +185,27 @@ def cpu_s(pid: int) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
 
 
-def ours_command(port: int, root: str) -> list[str]:
-    return [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1", "--store_root", root,
-            "--log_level", "warning"]
+def ours_command(port: int, root: str, tree: str | None = None) -> list[str]:
+    """run-api from this tree, or (`tree`) from that source tree: -P keeps the working directory off sys.path."""
+    return [sys.executable, *(["-P"] if tree else []), "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1",
+            "--store_root", root, "--log_level", "warning"]
 
 
 def atropos_command(port: int) -> list[str]:
     return [str(DEFAULT_VENV / "bin" / "run-api"), "--port", str(port)]
 
 
-def measure(name: str, n_single: int, n_list: int, load: Load) -> dict[str, float]:
-    """One fresh server of `name` ('ours' or 'atropos') through the whole load and a full drain; its metrics."""
+def measure(name: str, n_single: int, n_list: int, load: Load, tree: str | None = None) -> dict[str, float]:
+    """One fresh server of `name` ('ours' or 'atropos') through the whole load and a full drain; its metrics.
+    `tree`: ours from that source tree (first on the server's PYTHONPATH) instead of this one."""
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as root:
         port = free_port()
-        command = ours_command(port, root) if name == "ours" else atropos_command(port)
+        command = ours_command(port, root, tree) if name == "ours" else atropos_command(port)
         singles = bodies(make_groups(n_single), 1, load.gzip)
         lists = bodies(make_groups(n_list, start=n_single), 64, load.gzip)
         warmup = bodies(make_groups(load.warmup, start=n_single + n_list), 1, load.gzip) if load.warmup else []
-        with ApiProcess(command, port, log_path=str(Path(root) / "api.log")) as api:
+        server_env = {"PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])} if tree else None
+        with ApiProcess(command, port, env=server_env, log_path=str(Path(root) / "api.log")) as api:
             trainer, env = TrainerClient(api.url, timeout=300), EnvClient(api.url, timeout=300)
             trainer.register(BATCH, max_token_len=SEQ_LEN * 2)
             trainer.batch()
@@ -318,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--native-ab", action="store_true",
                         help="ours only, two sides: the native number reader (numjson) vs msgspec alone "
                         "(FACTORY_NATIVE_JSON=0), interleaved")
+    parser.add_argument("--versus", default=None, metavar="TREE",
+                        help="ours only, two sides: ours from source tree TREE (e.g. `git archive` of a base commit, "
+                        "with its built factory/serve/_numjson*.so) vs this tree, interleaved")
     parser.add_argument("--rss", default=None, help="comma-separated group counts: ours' RSS curve instead of the comparison")
     parser.add_argument("--queue-rss", default=None, help="comma-separated queued-group counts: ours' RSS with that many queued")
     args = parser.parse_args(argv)
@@ -348,6 +355,15 @@ def main(argv: list[str] | None = None) -> None:
                          pairs=pairs_from(args), json_out=json_out)
         print_comparison(result, json_out=json_out, title=f"Native number reader vs msgspec: {n_single} groups 1 per "
                          f"request, {n_list} groups 64 per request, {load.clients} clients")
+        return
+    if args.versus:
+        tree = str(Path(args.versus).resolve())
+        result = compare("serve-versus", [
+            Side(f"ours @ {args.versus}", lambda: measure("ours", n_single, n_list, load, tree)),
+            Side("ours @ this tree", lambda: measure("ours", n_single, n_list, load))],
+                         pairs=pairs_from(args), json_out=json_out)
+        print_comparison(result, json_out=json_out, title=f"Ours vs ours from {tree}: {n_single} groups 1 per request, "
+                         f"{n_list} groups 64 per request, {load.clients} clients")
         return
     with_atropos = not args.skip_atropos and atropos_available()
     if not with_atropos and not args.skip_atropos:

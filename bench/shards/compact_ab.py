@@ -7,6 +7,7 @@ the viewer's first page, the compaction (128 MB files), the viewer's first page 
     python -m bench.shards.compact_ab --shards 20000 --a /tmp/old-tree --b . --rounds 2
     python -m bench.shards.compact_ab --smoke         # 300 shards, this tree against itself, 1 round
     python -m bench.shards.compact_ab --preset rl --shards 2000 --a /tmp/old-tree --b .
+    python -m bench.shards.compact_ab --shards 20000 --workers-a 1 --workers-b 2   # one tree, 1 against 2 workers
 
 Shard presets (`--preset`; `--groups-per-shard`, `--group-size`, `--seq-len` override them):
 - tiny (default, issue 34's bench): 10 groups of 4 x 64 tokens, ~35 kB a shard (bench.shards.scale);
@@ -56,16 +57,19 @@ import json, os, sys
 from factory.store import ShardStore
 from factory.store_compact import compact_run
 before = os.times()
-report = compact_run(ShardStore(sys.argv[1]), "gen", target_bytes=128 << 20, flush=True)
+workers = {"workers": int(sys.argv[2])} if len(sys.argv) > 2 and sys.argv[2] else {}  # older trees: no such option
+report = compact_run(ShardStore(sys.argv[1]), "gen", target_bytes=128 << 20, flush=True, **workers)
 after = os.times()
+cpu = after.user - before.user + after.system - before.system
+children = after.children_user - before.children_user + after.children_system - before.children_system
 print(json.dumps({"mb_per_s": report.mb_per_s, "seconds": report.seconds, "files": len(report.files),
-                  "mb": report.bytes_in / 1e6, "cpu_s": after.user - before.user + after.system - before.system}))
+                  "mb": report.bytes_in / 1e6, "cpu_s": cpu + children, "workers_cpu_s": children}))
 """
 
 
-def _run(tree: str, script: str, root: Path) -> dict:
+def _run(tree: str, script: str, root: Path, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", script, str(root)], env=env, check=True, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script, str(root), *args], env=env, check=True, capture_output=True,
                          text=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -89,7 +93,8 @@ def evict(directory: Path) -> int:
     return count
 
 
-def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRESETS["tiny"], cold: bool = False) -> dict:
+def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRESETS["tiny"], cold: bool = False,
+          workers: int | None = None) -> dict:
     from bench.shards.scale import RUN
     from factory.store import ShardStore
     from factory.synthetic_store import build_store
@@ -102,7 +107,7 @@ def trial(tree: str, root: Path, shards: int, shape: tuple[int, int, int] = PRES
     before = _run(tree, _VIEWER, root)
     if cold:
         evict(ShardStore(root).shards_dir(RUN))
-    compacted = _run(tree, _COMPACT, root)
+    compacted = _run(tree, _COMPACT, root, "" if workers is None else str(workers))
     after = _run(tree, _VIEWER, root)
     shutil.rmtree(root, ignore_errors=True)
     return {"load": load, "load_end": os.getloadavg()[0], "before": before, "compact": compacted, "after": after,
@@ -122,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--cold", action="store_true",
                         help="drop the members' page cache before compacting (as at 1M shards, which outgrow memory)")
+    parser.add_argument("--workers-a", type=int, default=None,
+                        help="compact_run(workers=) for tree A (default: not passed, the tree's own default)")
+    parser.add_argument("--workers-b", type=int, default=None, help="the same for tree B")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -133,17 +141,18 @@ def main(argv: list[str] | None = None) -> None:
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="compact-ab-"))
     root = scratch / f"store-{args.shards}"
     results: dict[str, list[dict]] = {"A": [], "B": []}
-    print("| trial | at (UTC) | load | compaction MB/s | compaction CPU s | viewer page s before / after | "
+    print("| trial | at (UTC) | load | compaction MB/s | compaction CPU s (of it workers') | viewer page s before / after | "
           "log CPU s before / after | groups indexed in budget before / after |")
     print("|---|---|---|---:|---:|---|---|---|")
     for round_ in range(args.rounds):
-        order = (("A", args.a), ("B", args.b)) if round_ % 2 == 0 else (("B", args.b), ("A", args.a))
-        for label, tree in order:
-            r = trial(tree, root, args.shards, shape, args.cold)
+        order = ((("A", args.a, args.workers_a), ("B", args.b, args.workers_b)) if round_ % 2 == 0
+                 else (("B", args.b, args.workers_b), ("A", args.a, args.workers_a)))
+        for label, tree, workers in order:
+            r = trial(tree, root, args.shards, shape, args.cold, workers)
             results[label].append(r)
             b, c, a = r["before"], r["compact"], r["after"]
             print(f"| {label}{round_ + 1} | {r['at']} | {r['load']:.2f} -> {r['load_end']:.2f} | {c['mb_per_s']:.1f} | "
-                  f"{c['cpu_s']:.2f} | {b['page_s']:.2f} / {a['page_s']:.2f} | {b['log_cpu_s']:.3f} / {a['log_cpu_s']:.3f} | "
+                  f"{c['cpu_s']:.2f} ({c.get('workers_cpu_s', 0):.2f}) | {b['page_s']:.2f} / {a['page_s']:.2f} | {b['log_cpu_s']:.3f} / {a['log_cpu_s']:.3f} | "
                   f"{b['indexed']:,} / {a['indexed']:,} |", flush=True)
     for label in ("A", "B"):
         runs = results[label]

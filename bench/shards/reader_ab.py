@@ -3,10 +3,12 @@ A, B ...): issue 34's "export and viewer cost independent of unrelated history" 
 
     python -m bench.shards.reader_ab --shards 100000 --a /tmp/old-tree --b . --rounds 3
     python -m bench.shards.reader_ab --smoke          # 300 shards, this tree against itself, 1 round
+    python -m bench.shards.reader_ab --shards 200000 --no-compact --a /tmp/old-tree --b . --rounds 3
 
 The store is built with this tree's bench.shards.scale (10 groups of 4 x 64 tokens per shard), compacted to
 128 MB files and checkpointed (as `compact_run` does), then `--tail` shards of another producer are committed
-after the manifest (a live run goes on after a compaction). Each measurement is a fresh process with PYTHONPATH
+after the manifest (a live run goes on after a compaction); `--no-compact`: the store as built (every shard its own
+file, the manifest checkpointed by the build, a row per shard), the `--tail` shards after it. Each measurement is a fresh process with PYTHONPATH
 set to the tree under test (a cold start, as a new view-run or export is; the store's files are in the page cache):
 - viewer: a new `RunIndex` refreshed with the viewer's 0.5 s budget (`--budget`; 0: the log read and one step of
   indexing, what the run's history costs a first page), then the newest 50 rows read (what the run page shows
@@ -72,7 +74,7 @@ def measure(tree: str, root: Path, what: str, limit: int, budget: float) -> dict
     return json.loads(out.strip().splitlines()[-1])
 
 
-def build(root: Path, shards: int, tail: int) -> None:
+def build(root: Path, shards: int, tail: int, no_compact: bool = False) -> None:
     from bench.shards.scale import GROUPS_PER_SHARD, RUN, build_store, compact
     from factory.store import ShardStore
     from factory.store_compact import checkpoint
@@ -80,9 +82,10 @@ def build(root: Path, shards: int, tail: int) -> None:
 
     built = build_store(root, shards)
     print(f"# built {shards} shards ({built['bytes'] / 1e6:.0f} MB) in {built['seconds']:.0f} s, {_now()}", flush=True)
-    done = compact(str(root), 128)
+    done = {"compact_files": 0, "compact_s": 0.0} if no_compact else compact(str(root), 128)
     store = ShardStore(root)
-    checkpoint(store, RUN)
+    if not no_compact:
+        checkpoint(store, RUN)
     for chunk in range(tail):
         store.commit(RUN, "w1", chunk, synthetic_groups(GROUPS_PER_SHARD, start=10**8 + chunk * 100, group_size=4,
                                                         seq_len=64, env="bench"))
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=0.5,
                         help="the viewer's indexing budget (0: the log read and the newest row group alone)")
     parser.add_argument("--dir", default=None, help="scratch directory (the store is kept there if given)")
+    parser.add_argument("--no-compact", action="store_true", help="measure the store as built (no compaction)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     root = scratch / f"store-{args.shards}"
     try:
         if not root.exists():
-            build(root, args.shards, args.tail)
+            build(root, args.shards, args.tail, args.no_compact)
         times: dict[str, list[dict]] = {f"{label} {what}": [] for label in "AB" for what in ("viewer", "export")}
         for round_ in range(args.rounds):
             order = ("A", "B") if round_ % 2 == 0 else ("B", "A")

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import logging
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -336,5 +337,12 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
     # Outermost: the hot posts skip routing, CORS and FastAPI's per-request work (envs post every group, often one
     # per request); browsers' posts (Origin header) still get the full stack and its CORS headers.
     app.add_middleware(FastPosts, handlers={"/scored_data": post_one, "/scored_data_list": post_many},
-                       token=config.api_token, max_body_bytes=max_body)
+                       token=config.api_token, max_body_bytes=max_body, on_idle=_drop_decoder_scratch)
     return app
+
+
+def _drop_decoder_scratch() -> None:
+    """Big posts stopped coming: the buffers numjson kept for them go (if it was ever loaded; this does not load it)."""
+    numjson = sys.modules.get("factory.serve.numjson")
+    if numjson is not None:
+        numjson.drop_scratch()

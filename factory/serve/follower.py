@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from factory.index_runs import INDEX_COLUMNS, rows_of, table_of, table_of_many
 from factory.store import CommitRecord, StoreError
-from factory.store_records import Block, Records
+from factory.store_records import GROUPED, Block, Loose, Records
 
 if TYPE_CHECKING:
     from factory.store_object import StoreReader
@@ -200,10 +200,10 @@ class Locator:
         of `rows` rows and the file is there (`OwnFiles`, as `scan_new_shards` looks); else None (the caller
         locates and reads the file, and reports it if it is gone). A shard that is not a record of its own in
         `Records` (absent, or a member of a compacted block) is not in its own file: this looks in the plain dict
-        of records, not into the blocks."""
+        of records and the `Loose` runs of them, not into the compacted blocks."""
         records = self._snapshot(run_id)
-        record = (records._items if type(records) is Records else records).get(shard)
-        if record is None or type(record) is Block or record.index is None or record.file or record.rows != rows:
+        record = records.own(shard) if type(records) is Records else records.get(shard)
+        if record is None or record.index is None or record.file or record.rows != rows:
             return None
         path = self._own_files.path(run_id, shard)
         return (path, record.index) if self._own_files.present(run_id, shard, path, record.bytes) else None
@@ -318,6 +318,23 @@ def scan_new_shards(
     def items_of(run_id: str, items: list[Any]) -> Iterator[Any]:
         """Records, and blocks none of whose members is known yet (else their members' records)."""
         for item in items:
+            if type(item) is Loose:  # records in their own files, loaded as columns: no record made for a member
+                # known already, nor for one whose index is its summary and whose file is there (taken here, as
+                # the loop below takes such a record); the others' records go through that loop
+                for at, name, rows, size, summary in item.own_files():
+                    if known and (run_id, name) in known:
+                        continue
+                    if summary is not None:
+                        path = own.path(run_id, name)
+                        if own.present(run_id, name, path, size):
+                            shard = NewShard(run_id, name, path, rows, None, 0)
+                            summarized.append(shard)
+                            summaries.append(summary)
+                            found.append(shard)
+                            again.add(name)
+                            continue
+                    yield item.record(at)
+                continue
             if type(item) is Block:
                 state = covered(known_blocks, run_id, item.file, item.first, item.first + item.total)
                 if state is True:
@@ -343,11 +360,12 @@ def scan_new_shards(
         again_blocks: list[Block] = []
         finished = False
         # each record once (the change list gives each once already: a dedupe only with shards looked at again)
-        records = list({(r.key if type(r) is Block else r.shard): r for r in retry_blocks + pending + changed}.values()
+        records = list({(r.key if type(r) in GROUPED else r.shard): r for r in retry_blocks + pending + changed}.values()
                        ) if retry_blocks or pending else changed
         if store.filesystem is not None:  # an object store: every look is a request, so make them concurrently
-            _read_ahead(store, run_id, [r for r in records if type(r) is not Block and (run_id, r.shard) not in known
-                                        and not r.file], sizes, indexes)
+            _read_ahead(store, run_id, [r for item in records for r in (item.records() if type(item) is Loose else (item,))
+                                        if type(r) is not Block and (run_id, r.shard) not in known and not r.file],
+                        sizes, indexes)
         for record in items_of(run_id, records):
             if type(record) is Block:
                 path = path_of(run_id, record.file)

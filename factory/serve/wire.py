@@ -158,7 +158,7 @@ def _json_len(raw: msgspec.Raw) -> int | None:
 
 
 def decode_groups(
-    body: bytes, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False,
+    body: bytes | memoryview, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False,
     run_id: str = "", vocab_size: int | None = None, env_name: Callable[[int | None], str] | None = None,
     version: int = 0,
 ) -> WireGroups:
@@ -177,6 +177,8 @@ def decode_groups(
                                 env_name=env_name, version=version)
         if parsed is not None:
             return parsed
+    if not isinstance(body, bytes):  # a view of a reused buffer: msgspec's Raw fields must not point into it
+        body = bytes(body)
     try:
         if strict:
             groups = _STRICT_MANY.decode(body) if many else [_STRICT_ONE.decode(body)]
@@ -357,7 +359,7 @@ _NATIVE_INTEGERS = {"tokens": True, "masks": True, "advantages": False, "ref_log
 _Parsed = tuple[np.ndarray, np.ndarray]
 
 
-def _decode_native(body: bytes, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str,
+def _decode_native(body: bytes | memoryview, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str,
                    env_name: Callable[[int | None], str] | None = None, version: int = 0) -> WireGroups | None:
     """decode_groups(build=True) with numjson, or None where the general path must decide."""
     read = numjson.read_body(body, many)

@@ -39,7 +39,7 @@ from factory.chunk_stats import parse_name as parse_stats_name
 from factory.gc_pause import gc_paused
 from factory.store import CommitRecord
 from factory.store_object import StoreReader
-from factory.store_records import Block
+from factory.store_records import GROUPED, Block, Loose
 from factory.viewer.columns import Codes, Columns, ShardColumns, shard_columns, split_columns
 from factory.viewer.query import Filters
 
@@ -164,9 +164,10 @@ class RunIndex:
         self._seq = 0
         self._order: dict[str, int] = {}
         """Commit order of each indexed or pending shard (of a pending block: its first member's; member i is + i)."""
-        self._pending: dict[str, CommitRecord | Block] = {}
+        self._pending: dict[str, CommitRecord | Block | Loose] = {}
         """Shards not indexed yet, in log order: records, and the members of merged files that the store's manifest
-        holds as a `Block` (keyed by `Block.key`), which stay a block until indexed, newest members first."""
+        holds as a `Block` (keyed by `Block.key`), which stay a block until indexed, newest members first; likewise
+        the runs of records in their own files that it holds as a `Loose`."""
         self._pending_members = 0
         self._stats_key: tuple[tuple[str, tuple[int, int, int] | None], ...] = ()
         self._stats_files: dict[str, tuple[tuple[int, int, int] | None, dict[str, Any]]] = {}
@@ -204,6 +205,8 @@ class RunIndex:
                 record = self._pending[name]
                 if type(record) is Block:  # the newest members of a merged file's block: one read of their row groups
                     added += self._add_block(name, record)
+                elif type(record) is Loose:  # the newest of a run of shards in their own files
+                    added += self._add_loose(name, record)
                 elif record.file:  # a compacted shard: it and its pending neighbours in the same row groups
                     added += self._add_merged(record)
                 else:
@@ -221,7 +224,7 @@ class RunIndex:
 
     def _unpend(self, name: str) -> None:
         item = self._pending.pop(name)
-        self._pending_members -= len(item) if type(item) is Block else 1
+        self._pending_members -= len(item) if type(item) in GROUPED else 1
 
     def _read_log(self) -> None:
         # What the run's log added or changed since the last look (the store reads its manifest and the log after
@@ -237,7 +240,7 @@ class RunIndex:
             # a new index (the first page of a run): nothing to forget, `changes` lists each shard once
             pending, order, seq, members = self._pending, self._order, self._seq, 0
             for item in items:
-                if type(item) is Block:
+                if type(item) in GROUPED:
                     pending[item.key] = item
                     order[item.key] = seq + 1
                     seq += len(item)
@@ -251,7 +254,7 @@ class RunIndex:
             return
         # A block after the first look would be the store's manifest re-read, which starts a new cursor generation
         # (reset above, so not this path); should one come, its members are taken one by one as before.
-        records = [record for item in items for record in (item.records() if type(item) is Block else (item,))]
+        records = [record for item in items for record in (item.records() if type(item) in GROUPED else (item,))]
         for record in records:
             # The latest record of a shard wins (a replaced chunk): forget what was indexed of it.
             self._seq += 1
@@ -337,7 +340,7 @@ class RunIndex:
             next(names)
             for name in names:
                 other = self._pending[name]
-                if (type(other) is Block or other.file != record.file or other.row_offset < first
+                if (type(other) in GROUPED or other.file != record.file or other.row_offset < first
                         or other.row_offset + other.rows != batch[-1].row_offset):
                     break  # another file, an earlier row group, or not the rows just before
                 batch.append(other)
@@ -406,6 +409,21 @@ class RunIndex:
             self._unpend(key)
             del self._order[key]
         return frame.height
+
+    def _add_loose(self, key: str, loose: Loose) -> int:
+        """Index the newest member of a pending `Loose` (its record made now, from a one-row slice of the columns);
+        the members before it stay pending as a smaller `Loose` under the same key (their commit order unchanged)."""
+        last = len(loose) - 1
+        record = loose.slice(last).records()[0]
+        order = self._order[key] + last
+        if last:
+            self._pending[key] = loose.slice(0, last)
+            self._pending_members -= 1
+        else:
+            self._unpend(key)
+            del self._order[key]
+        self._order[record.shard] = order
+        return self._add(record)
 
     def _merged_metadata(self, path: Path, name: str) -> tuple[pq.FileMetaData, list[int]]:
         """A compacted file's footer and row-group starts, read once while it is among the last few used."""
@@ -670,7 +688,7 @@ class StoreIndex:
         _, items = changed_items(run_id)
         groups = shards = 0
         for item in items:
-            if type(item) is Block:
+            if type(item) in GROUPED:
                 groups, shards = groups + item.total, shards + len(item)
             else:
                 groups, shards = groups + item.rows, shards + 1

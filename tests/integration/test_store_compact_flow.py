@@ -12,8 +12,17 @@ from factory.synthetic import synthetic_groups
 pytestmark = pytest.mark.integration
 
 
-def test_compact_flow_merges_beside_a_live_writer(prefect_server, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_compact_flow_merges_beside_a_live_writer(prefect_server, tmp_path, monkeypatch, workers):
+    import multiprocessing
+
+    import factory.store_compact as store_compact
     from flows.compact import compact
+
+    if workers > 1:  # several batches of these small shards, merged by worker processes forked from the flow's
+        real = store_compact.plan
+        monkeypatch.setattr(store_compact, "plan", lambda records, _target, **kw: real(records, 20_000, **kw))
+        monkeypatch.setattr(store_compact, "PARALLEL_MIN_BYTES", 0)
 
     store = ShardStore(tmp_path)
     for chunk in range(20):
@@ -29,11 +38,13 @@ def test_compact_flow_merges_beside_a_live_writer(prefect_server, tmp_path):
     thread = threading.Thread(target=write)
     thread.start()
     try:
-        reports = compact(store_root=str(tmp_path), runs=["run-1"], target_mb=1, flush=True)
+        reports = compact(store_root=str(tmp_path), runs=["run-1"], target_mb=1, flush=True, workers=workers)
     finally:
         stop.set()
         thread.join()
     assert reports[0]["shards"] >= 20 and reports[0]["files"]
+    assert len(reports[0]["files"]) > 1 or workers == 1
+    assert multiprocessing.active_children() == []
     fresh = ShardStore(tmp_path)
     ids = [g.group_id for g in fresh.iter_groups("run-1")]
     assert len(ids) == len(set(ids)) == fresh.count("run-1") and fresh.verify("run-1") == []

@@ -170,3 +170,29 @@ def test_without_the_library_ingest_still_works(general_path):
     assert not numjson.available()
     parsed = decode_groups(orjson.dumps(make_groups(1)[0]), many=False, build=True, run_id="api")
     assert parsed.rows.num_rows == 1
+
+
+def test_big_bodies_read_through_kept_buffers_give_what_fresh_ones_give(monkeypatch):
+    monkeypatch.setattr(numjson, "SCRATCH_MIN_BYTES", 1)
+    numjson.drop_scratch()
+    bodies = [orjson.dumps(make_groups(3, start=5)), orjson.dumps(make_groups(1)), orjson.dumps(make_groups(2, start=9))]
+    kept = [numjson.read_body(bytearray(body), True) for body in bodies]  # a buffer, as a pooled post body is
+    assert numjson._scratch is not None
+    numjson.drop_scratch()
+    monkeypatch.setattr(numjson, "SCRATCH_MIN_BYTES", 1 << 40)
+    fresh = [numjson.read_body(body, True) for body in bodies]
+    for (stripped, fields), (stripped2, fields2) in zip(kept, fresh):
+        assert stripped == stripped2 and len(fields) == len(fields2)
+        for mine, theirs in zip(fields, fields2):
+            assert mine.keys() == theirs.keys()
+            for name in mine:
+                assert all((a == b).all() for a, b in zip(mine[name], theirs[name]))
+    assert numjson._scratch is None
+
+
+def test_a_view_of_a_buffer_decodes_as_its_bytes_on_both_paths(general_path):
+    body = orjson.dumps(make_groups(2))
+    view = memoryview(bytearray(body) + b"tail")[: len(body)]
+    for native in (True, False):
+        general_path(native)
+        assert _decoded(view, True) == _decoded(body, True)

@@ -164,12 +164,15 @@ def test_served_groups_stay_served_after_compaction_and_restart(tmp_path, copy):
 KILL_POINTS = ["written", "logged", "renamed", "removing"]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("copy", ["row_groups", "pages", "decode"])
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point, copy):
+def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path, point, copy, workers):
     store = ShardStore(tmp_path)
     fill(store, "r", 8)
     before = ids(store, "r")
+    # with workers: three batches, the later ones written by the workers while the first is committed
+    target = 1 << 30 if workers == 1 else sum(r.bytes for r in store.committed("r").values()) // 3
     child = textwrap.dedent(f"""
         import os, signal
         import factory.store_compact as compact
@@ -178,7 +181,9 @@ def test_kill_9_at_any_step_of_a_compaction_leaves_the_store_consistent(tmp_path
             if point == {point!r}:
                 os.kill(os.getpid(), signal.SIGKILL)
         compact._reached = die
-        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes=1 << 30, method={copy!r})
+        compact.PARALLEL_MIN_BYTES = 0
+        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes={target}, method={copy!r},
+                            workers={workers})
     """)
     result = subprocess.run([sys.executable, "-c", child], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             capture_output=True, timeout=120)
@@ -516,3 +521,168 @@ def test_a_member_of_another_size_is_found_and_its_batch_left_as_it_was(tmp_path
     assert len(list((tmp_path / "r" / "shards").glob("*.parquet"))) == 4
     path.write_bytes(data)
     assert ids(ShardStore(tmp_path), "r") == before
+
+
+# ---- merged files written by worker processes (compact_run(workers=N)) ----
+
+
+def _children_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether every process in `pids` has ended (a zombie not reaped by its new parent counts as ended)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if state not in ("Z", "X"):
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def parallel(monkeypatch):
+    """Worker processes even for the tests' tiny stores."""
+    monkeypatch.setattr("factory.store_compact.PARALLEL_MIN_BYTES", 0)
+
+
+@pytest.mark.parametrize("method", ["row_groups", "pages", "decode"])
+def test_workers_commit_the_same_merges_in_plan_order_and_end_with_the_compaction(tmp_path, parallel, method):
+    import multiprocessing
+
+    serial, parallel_root = tmp_path / "serial", tmp_path / "parallel"
+    for root in (serial, parallel_root):
+        fill(ShardStore(root), "r", 20)
+    records = ShardStore(serial).committed("r")
+    target = sum(r.bytes for r in records.values()) // 5
+    before = ids(ShardStore(serial), "r")
+    one = compact_run(ShardStore(serial), "r", target_bytes=target, method=method, workers=1)
+    many = compact_run(ShardStore(parallel_root), "r", target_bytes=target, method=method, workers=3)
+    assert multiprocessing.active_children() == []  # the workers stopped with the compaction
+    assert len(many.files) == len(one.files) >= 4 and many.shards == one.shards == 20 and many.rows == one.rows
+    assert (many.copied, many.paged, len(many.decoded)) == (one.copied, one.paged, len(one.decoded))
+    fresh = ShardStore(parallel_root)
+    assert ids(fresh, "r") == before and fresh.verify("r") == []
+    assert not [p for p in (parallel_root / "r" / "shards").iterdir() if p.name.startswith(".")]
+    # the records in plan order: each merged file's members follow the previous file's
+    lines = [orjson.loads(line) for line in fresh.commit_log("r").read_bytes().splitlines()]
+    members = [m[0] for line in lines if "compact" in line for m in line["members"]]
+    assert members == sorted(records) and [line["compact"] for line in lines if "compact" in line] == many.files
+    for name, record in records.items():
+        path, offset, rows = fresh.locate("r", name)
+        table = pq.read_table(path, columns=["group_id"]).slice(offset, rows)
+        assert table.column(0).to_pylist() == before[record.chunk * 5 : record.chunk * 5 + 5]
+
+
+def test_a_small_compaction_stays_in_one_process(tmp_path, monkeypatch):
+    import factory.store_compact as compact
+
+    def no_workers(*_args, **_kwargs):
+        raise AssertionError("worker processes started for a small compaction")
+
+    monkeypatch.setattr(compact, "_merge_in_workers", no_workers)
+    store = ShardStore(tmp_path)
+    fill(store, "r", 10)
+    report = compact_run(store, "r", target_bytes=sum(r.bytes for r in store.committed("r").values()) // 3, workers=4)
+    assert len(report.files) == 3
+    assert 1 <= compact.default_workers() <= compact.MAX_DEFAULT_WORKERS
+
+
+@pytest.mark.parametrize("failure", ["disk full", "worker killed", "damaged member"])
+def test_a_worker_failure_fails_its_batch_as_in_one_process(tmp_path, parallel, monkeypatch, failure):
+    import errno
+    import multiprocessing
+
+    import factory.store_compact as compact
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 12)
+    before = ids(store, "r")
+    target = sum(r.bytes for r in store.committed("r").values()) // 4
+    if failure == "damaged member":
+        path = tmp_path / "r" / "shards" / "w0-00000005.parquet"
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        real = compact._write_pages
+
+        def failing(shards, tmp, batch, row_group_groups):  # runs in a worker (forked with this patch)
+            if batch[0].shard == "w0-00000003.parquet":
+                if failure == "worker killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(shards, tmp, batch, row_group_groups)
+
+        monkeypatch.setattr(compact, "_write_pages", failing)
+    if failure == "damaged member":
+        report = compact_run(store, "r", target_bytes=target, method="pages", workers=2)
+        assert "sha256 differs" in report.skipped[0] and report.shards == 9  # the other batches merged
+    else:
+        with pytest.raises(StoreError, match="disk is full" if failure == "disk full" else "worker process died") as error:
+            compact_run(store, "r", target_bytes=target, method="pages", workers=2)
+        if failure == "disk full":
+            assert error.value.errno == errno.ENOSPC
+    assert multiprocessing.active_children() == []
+    assert not [p for p in (tmp_path / "r" / "shards").iterdir() if p.name.startswith(".")]
+    fresh = ShardStore(tmp_path)
+    if failure != "damaged member":
+        assert ids(fresh, "r") == before and fresh.verify("r") == []
+        committed = [len(r["members"]) for r in map(orjson.loads, fresh.commit_log("r").read_bytes().splitlines())
+                     if "compact" in r]
+        # the batch before the failing one, only (a dead worker breaks the pool: the first batch's result may be
+        # lost with it, and the batch left as it was)
+        assert committed == [3] or (failure == "worker killed" and committed == [])
+        monkeypatch.undo()
+        compact_run(fresh, "r", target_bytes=1 << 30, workers=2)
+        assert ids(ShardStore(tmp_path), "r") == before
+
+
+def test_kill_9_while_workers_hold_temporary_files(tmp_path):
+    """The compaction killed while its workers write later batches: they die with it, their hidden temporary files
+    are no part of the store (repair removes them), and the next compaction is right."""
+    from factory.store_repair import repair
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 12)
+    before = ids(store, "r")
+    target = sum(r.bytes for r in store.committed("r").values()) // 4
+    pids = tmp_path / "pids"
+    child = textwrap.dedent(f"""
+        import multiprocessing, os, signal, time
+        import factory.store_compact as compact
+        from factory.store import ShardStore
+        real = compact._build
+        def slow(directory, batch, *args):
+            built = real(directory, batch, *args)
+            if batch[0].shard != "w0-00000000.parquet":
+                time.sleep(120)  # holding its finished temporary file
+            return built
+        def die(point):
+            if point == "written":
+                time.sleep(1)  # the workers are at their later batches
+                with open({str(pids)!r}, "w") as out:
+                    out.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        compact._build, compact._reached, compact.PARALLEL_MIN_BYTES = slow, die, 0
+        compact.compact_run(ShardStore({str(tmp_path)!r}), "r", target_bytes={target}, workers=2)
+    """)
+    result = subprocess.run([sys.executable, "-c", child], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode()[-2000:]
+    workers = [int(pid) for pid in pids.read_text().split()]
+    assert len(workers) == 2 and _children_gone(workers)
+    shards = tmp_path / "r" / "shards"
+    assert [p.name for p in shards.iterdir() if p.name.startswith(".compact-")]  # what the workers had written
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before and fresh.verify("r") == [] and sorted(glob_ids(tmp_path, "r")) == sorted(before)
+    assert compact_run(fresh, "r", target_bytes=1 << 30).shards == 12
+    assert ids(ShardStore(tmp_path), "r") == before
+    repair(ShardStore(tmp_path), "r", stale_tmp_s=0)
+    assert not [p for p in shards.iterdir() if p.name.startswith(".compact-")]
