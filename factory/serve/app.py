@@ -31,7 +31,7 @@ from environments.groups import ScoredGroup
 from factory.serve.backpressure import IngestBudget, Overloaded
 from factory.serve.config import ServeConfig
 from factory.serve.contract import ARROW_STREAM, PayloadError, WireError, prefers_arrow
-from factory.serve.http import BodyError, FastPosts, RequestGuard, accepts_gzip, gzip_size_hint, inflate_gzip, json_response
+from factory.serve.http import BodyError, FastPosts, RequestGuard, gzip_size_hint, gzip_wanted, inflate_gzip, json_response
 from factory.serve.service import BatchService
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,8 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
 
     def respond(request: Request, data: Any = None, **kwargs: Any) -> Response:
-        return json_response(request, data, gzip_level=config.gzip_level, gzip_min_bytes=config.gzip_min_bytes, **kwargs)
+        return json_response(request, data, gzip_level=config.gzip_level, gzip_min_bytes=config.gzip_min_bytes,
+                             gzip_loopback=config.gzip_loopback, **kwargs)
 
     @app.get("/")
     async def root() -> dict[str, str]:
@@ -237,7 +238,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
     async def batch(request: Request) -> Response:
         arrow = prefers_arrow(request.headers.get("accept", ""))
         try:
-            body = await service.next_batch(accepts_gzip(request), arrow)
+            body = await service.next_batch(gzip_wanted(request, config.gzip_loopback), arrow)
         except PayloadError as error:
             logger.error("cannot serve a batch: %s", error)
             return Response(orjson.dumps({"detail": str(error)}), status_code=503, media_type="application/json")

@@ -32,6 +32,12 @@ class ServeConfig(FactoryConfig):
         "(installed with the factory) levels 1-3, 4-6 and 7-9 are its levels 1, 2 and 3.",
     )
     gzip_min_bytes: int = Field(1000, ge=0, description="Responses smaller than this are sent uncompressed.")
+    gzip_loopback: bool = Field(
+        False, description="Gzip responses to clients on this host (loopback) too. Off (default): they get plain JSON, "
+        "since over loopback gzip saves no transfer time and costs CPU at both ends (a trainer's inflate of a 7 MB "
+        "/batch body took 35-55 ms, most of the request; bench/RESULTS.md, issue 29). Clients elsewhere are gzipped "
+        "as before.",
+    )
     max_policy_lag: int | None = Field(
         None, ge=0, description="Skip (and count) groups more than this many policy versions behind the trainer's step; None keeps all."
     )

@@ -113,6 +113,27 @@ def batch_rows(table: pa.Table, *, metadata: bool = False) -> list[dict]:
     return _rows(table, metadata)
 
 
+def json_batch(rows: list[dict], *, rows_per_chunk: int = 4) -> memoryview:
+    """The /batch body of `rows` (what `encode_batch` makes), written a few rows at a time; empties `rows` as it goes.
+
+    One orjson call for a whole batch holds the GIL throughout (30-40 ms for 32 groups of 8 x 1024 tokens on a loaded
+    machine): a batch prefetched in a thread so kept the event loop from answering the trainer's next /batch and from
+    sending the body it had. Between chunks the loop runs. The body grows in place (a bytearray, returned as a
+    memoryview that responses send as is), and each row's views are dropped once written."""
+    out = bytearray(b'{"batch":[')
+    for start in range(0, len(rows), rows_per_chunk):
+        stop = min(start + rows_per_chunk, len(rows))
+        chunk = orjson.dumps(rows[start:stop], option=_NUMPY)
+        rows[start:stop] = [None] * (stop - start)
+        if start:
+            out += b","
+        out += memoryview(chunk)[1:-1]  # the rows without the list's brackets
+        del chunk
+    rows.clear()
+    out += b"]}"
+    return memoryview(out)
+
+
 def gzip_batch(rows: list[dict], compressor: Any, *, rows_per_chunk: int = 4) -> memoryview:
     """The /batch body of `rows` (what `encode_batch` makes), compressed by `compressor` (a zlib-style compressobj
     writing gzip) a few rows at a time; empties `rows` as it goes.

@@ -78,7 +78,7 @@ class BatchBody:
     Bodies without rows (no batch, not registered) are JSON only.
     """
 
-    def __init__(self, raw: bytes | None = None, gz: bytes | memoryview | None = None,
+    def __init__(self, raw: bytes | memoryview | None = None, gz: bytes | memoryview | None = None,
                  keys: list[tuple[int, int]] | None = None) -> None:
         self.raw, self.gz, self.keys = raw, gz, keys
         self.arrow: bytes | None = None
@@ -1074,7 +1074,7 @@ class BatchService:
     def _encode(self, body: BatchBody, arrow: bool, compress: bool, table: pa.Table | None = None) -> BatchBody:
         """Make the encoding asked for, if `body` has not got it yet (in a thread), from `table` or its rows read
         again."""
-        from factory.serve.payload import batch_arrow, batch_rows, encode_batch, gzip_batch
+        from factory.serve.payload import batch_arrow, batch_rows, encode_batch, gzip_batch, json_batch
 
         if arrow:
             if body.arrow is None:
@@ -1091,6 +1091,12 @@ class BatchService:
             rows = batch_rows(table, metadata=self.config.batch_metadata)
             table = None  # the rows hold what they need; each is let go once compressed
             body.gz = gzip_batch(rows, gzip_compressor(level))
+            return body
+        if not compress:
+            # In chunks, so the event loop runs between them (`json_batch`); each row let go once written.
+            rows = batch_rows(table, metadata=self.config.batch_metadata)
+            table = None
+            body.raw = json_batch(rows)
             return body
         body.raw = encode_batch(table, metadata=self.config.batch_metadata)
         table = None  # the rows are not needed for the gzip: not held beside it

@@ -24,7 +24,8 @@ def api(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-store")
     port = free_port()
     command = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1",
-               "--store_root", str(root), "--api_token", TOKEN, "--max_body_mb", "1", "--log_level", "warning"]
+               "--store_root", str(root), "--api_token", TOKEN, "--max_body_mb", "1", "--log_level", "warning",
+               "--gzip_loopback", "true"]  # gzip to this host too, so the gzip paths are the ones tested
     process = ApiProcess(command, port, log_path=str(root / "api.log")).start(headers=AUTH)
     yield process
     process.stop()

@@ -40,7 +40,8 @@ def api(request, tmp_path_factory):
     port = free_port()
     if request.param == "ours":
         command = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1",
-                   "--store_root", str(root), "--log_level", "warning"]
+                   "--store_root", str(root), "--log_level", "warning",
+                   "--gzip_loopback", "true"]  # gzip to this host as well, as Atropos does (off by default here)
     else:
         run_api = ATROPOS_VENV / "bin" / "run-api"
         if not run_api.exists():

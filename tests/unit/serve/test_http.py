@@ -1,5 +1,5 @@
-"""factory/serve/http.py: gzip of responses (any gzip reader inflates it, higher levels compress harder) and
-bodies read into reused buffers."""
+"""factory/serve/http.py: gzip of responses (any gzip reader inflates it, higher levels compress harder; none to clients
+on this host unless asked) and bodies read into reused buffers."""
 
 import asyncio
 import gzip
@@ -84,3 +84,24 @@ def test_body_buffers_lend_at_most_their_cap_and_failed_bodies_give_theirs_back_
         assert buffers.lent == 0
 
     asyncio.run(scenario())
+
+def _request(host: str | None, accept: str = "gzip, deflate"):
+    from starlette.requests import Request
+
+    return Request({"type": "http", "method": "GET", "path": "/batch", "headers": [(b"accept-encoding", accept.encode())],
+                    "client": None if host is None else (host, 50000)})
+
+
+def test_responses_to_clients_on_this_host_are_not_gzipped_unless_asked():
+    from factory.serve.http import from_loopback, gzip_wanted, json_response
+
+    assert from_loopback(_request("127.0.0.1")) and from_loopback(_request("::1")) and from_loopback(_request("127.8.0.3"))
+    assert not any(from_loopback(_request(h)) for h in ("10.0.0.2", "2001:db8::1", "testclient", None))
+    assert gzip_wanted(_request("10.0.0.2"), loopback=False) and not gzip_wanted(_request("127.0.0.1"), loopback=False)
+    assert gzip_wanted(_request("127.0.0.1"), loopback=True)
+    assert not gzip_wanted(_request("10.0.0.2", accept="identity"), loopback=True)
+    body = orjson.dumps({"batch": [{"tokens": list(range(1000))}]})
+    local = json_response(_request("127.0.0.1"), raw=body, gzip_loopback=False)
+    remote = json_response(_request("10.0.0.2"), raw=body, gzip_loopback=False)
+    assert "content-encoding" not in local.headers and local.body == body
+    assert remote.headers["content-encoding"] == "gzip" and gzip.decompress(remote.body) == body
