@@ -54,6 +54,12 @@ class ServeConfig(FactoryConfig):
         10.0, ge=0, description="Longest a commit waits for posts whose bodies are being decoded at that moment, to share "
         "one shard's fixed cost; a lone client never waits. 0 commits at once.",
     )
+    commit_linger_queued: bool = Field(
+        True, description="A commit also lingers (up to commit_linger_ms) for posts whose bodies are read and queued "
+        "for a decoder, not only for those being decoded. One-group posts from 8 clients: ~4-5 groups per shard "
+        "instead of ~3.9, 0.91-0.98x the server CPU per group, groups/s unchanged within the noise (bench/RESULTS.md, "
+        "issue 29). false: only bodies being decoded are waited for.",
+    )
     commit_concurrency: int = Field(
         1, ge=1, description="Shards of posted groups being written at once. 1 (default): one writer; posts that "
         "arrive meanwhile share the next shard. 2: they start the next one at once (the commit log's appends stay "

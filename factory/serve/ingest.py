@@ -8,10 +8,15 @@ grows with concurrency instead of paying one fsync per group.
 
 Requests announce themselves when their bodies start decoding (`announce`).
 Before a commit, the writer lingers (at most `linger_s`) for the requests
-being decoded at that moment (not those still queued for a decoder): a shard
+being decoded at that moment (without `linger_queued`, not those still queued
+for a decoder): a shard
 has a fixed cost (Parquet writer and footer, three fsyncs, the commit record)
 worth sharing among as many groups as are about to arrive. A lone client
-never waits: nobody else is on the way.
+never waits: nobody else is on the way. With `linger_queued` (config
+commit_linger_queued, on by default) a commit also lingers for bodies that
+were read and still wait for a decoder: one-group posts from 8 clients fill
+~4-5 groups per shard instead of ~3.9, ~4% less server CPU per group
+(bench/RESULTS.md, issue 29, "The fixed cost of a commit").
 
 Up to `concurrency` commits run at once (config commit_concurrency, default
 1): with more, posts that arrive while a shard is being encoded and fsynced
@@ -89,12 +94,14 @@ class GroupCommitter:
         row_group_groups: int = 16,
         linger_s: float = 0.0,
         concurrency: int = 1,
+        linger_queued: bool = False,
     ) -> None:
         self.store, self.run_id, self.producer = store, run_id, producer
         self.on_commit = on_commit
         self.max_groups = max_groups
         self.row_group_groups = row_group_groups
         self.linger_s = linger_s
+        self.linger_queued = linger_queued
         self.concurrency = max(1, concurrency)
         self._running: set[asyncio.Task[None]] = set()
         self._pending: list[_Pending] = []
@@ -131,6 +138,8 @@ class GroupCommitter:
         """A request on its way; `announce` it when its body starts decoding. It is settled by `submit` or when
         the block ends."""
         arrival = Arrival()
+        if self.linger_queued:  # waited for from here on, not only once a decoder takes it
+            self.announce(arrival)
         try:
             yield arrival
         finally:
@@ -138,8 +147,11 @@ class GroupCommitter:
 
     def announce(self, arrival: Arrival) -> None:
         """The body of `arrival` is being decoded now (any thread): a commit about to start waits for it.
-        Bodies still queued for a decoder are not waited for: they would hold the commit for a whole queue."""
+        Bodies still queued for a decoder are not waited for (unless `linger_queued`): they would hold the
+        commit for a whole queue."""
         with self._announcing:
+            if arrival.announced:  # announced when it arrived (linger_queued)
+                return
             arrival.announced = True
             self._announced += 1
 

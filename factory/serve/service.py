@@ -302,6 +302,7 @@ class BatchService:
             row_group_groups=self.config.ingest_row_group_groups,
             linger_s=self.config.commit_linger_ms / 1000,
             concurrency=self.config.commit_concurrency,
+            linger_queued=self.config.commit_linger_queued,
         )
         committer.start()
         self.committer = committer

@@ -15,3 +15,13 @@ def test_measure_reports_every_group_count():
 def test_versus_that_is_not_a_checkout_fails_in_one_line(tmp_path, capsys):
     assert commit_bench.main(["--versus", str(tmp_path), "--smoke"]) == 2
     assert "not a checkout" in capsys.readouterr().err
+
+
+def test_commit_parts_reports_every_count_and_step():
+    from bench.serve import commit_parts
+
+    result = commit_parts.measure(reps=1, seq_len=8)
+    assert set(result["commit"]) == set(result["parts"]) == set(commit_parts.COUNTS)
+    for count in commit_parts.COUNTS:
+        assert result["commit"][count]["cpu_ms"] > 0
+        assert result["parts"][count]["Parquet encode"]["cpu_ms"] > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from factory.schema import groups_to_record_batch
 from factory.serve.ingest import GroupCommitter
 from factory.store import ShardStore
@@ -15,10 +17,10 @@ def _rows(count: int, seed: int):
     return groups_to_record_batch(synthetic_groups(count, group_size=2, seq_len=8, seed=seed))
 
 
-async def _committer(tmp_path, linger_s: float) -> tuple[GroupCommitter, list[int]]:
+async def _committer(tmp_path, linger_s: float, linger_queued: bool = False) -> tuple[GroupCommitter, list[int]]:
     shard_sizes: list[int] = []
     committer = GroupCommitter(ShardStore(tmp_path), "api", "api", lambda record, rows: shard_sizes.append(rows.num_rows),
-                               linger_s=linger_s)
+                               linger_s=linger_s, linger_queued=linger_queued)
     committer.start()
     return committer, shard_sizes
 
@@ -40,9 +42,31 @@ def test_posts_being_decoded_share_one_shard(tmp_path):
     assert asyncio.run(scenario()) == [3]
 
 
-def test_a_lone_post_does_not_wait_and_a_failed_decode_releases_the_commit(tmp_path):
+def test_posts_queued_for_a_decoder_share_one_shard_only_with_linger_queued(tmp_path):
+    def shards_of(linger_queued: bool) -> list[int]:
+        async def scenario() -> list[int]:
+            committer, shards = await _committer(tmp_path / str(linger_queued), linger_s=5.0, linger_queued=linger_queued)
+
+            async def post(seed: int, queued_s: float) -> None:
+                with committer.arriving() as arrival:
+                    await asyncio.sleep(queued_s)  # read, waiting for a decoder
+                    committer.announce(arrival)  # a decoder took it: announced once only
+                    await committer.submit(_rows(1, seed), arrival)
+
+            await asyncio.gather(post(1, 0.0), post(2, 0.05), post(3, 0.1))
+            await committer.stop()
+            return shards
+
+        return asyncio.run(scenario())
+
+    assert shards_of(True) == [3]
+    assert len(shards_of(False)) > 1  # the first commit does not wait for bodies not yet being decoded
+
+
+@pytest.mark.parametrize("linger_queued", [False, True])
+def test_a_lone_post_does_not_wait_and_a_failed_decode_releases_the_commit(tmp_path, linger_queued):
     async def scenario() -> tuple[float, float, list[int]]:
-        committer, shards = await _committer(tmp_path, linger_s=5.0)
+        committer, shards = await _committer(tmp_path, linger_s=5.0, linger_queued=linger_queued)
         started = time.perf_counter()
         with committer.arriving() as arrival:
             await committer.submit(_rows(2, 1), arrival)
