@@ -280,7 +280,8 @@ class Locator:
         while at < count:
             run_id = runs[at]
             records = self._snapshot(run_id)
-            hit = records._in_blocks(names[at]) if type(records) is Records and names[at] not in records._items else None
+            plain = type(records) is not Records or names[at] in records._items  # a record of its own, or no Records
+            hit = None if plain else records._in_blocks(names[at])
             if hit is None or type(hit[0]) is not Loose or hit[0].codes is None:
                 at += 1
                 continue
@@ -288,7 +289,8 @@ class Locator:
             members = item.names()
 
             def same(length: int) -> bool:
-                return (ids[at + length - 1] - ids[at] == length - 1 and names[at:at + length] == members[first:first + length]
+                return (ids[at + length - 1] - ids[at] == length - 1
+                        and names[at:at + length] == members[first:first + length]
                         and runs[at:at + length].count(run_id) == length)
 
             length = min(len(item) - first, count - at)

@@ -570,7 +570,8 @@ class BatchService:
         self._relocate(moved)
         if not shards:
             return
-        from factory.serve.follower import NewBlock, NewShards, covered  # not before: an idle service has not loaded the store
+        # not before: an idle service has not loaded the store
+        from factory.serve.follower import NewBlock, NewShards, covered
         from factory.serve.state import BlockRows, ShardRows
 
         new: list[NewShard | NewBlock] = []

@@ -73,7 +73,8 @@ def test_own_stretches_find_what_own_file_finds(tmp_path):
     assert stretches and sum(s.stop - s.start for s in stretches) == 60 - 2
     covered = set()
     for stretch in stretches:
-        assert [s[0] for s in sources[stretch.start:stretch.stop]] == list(range(stretch.first, stretch.first + len(stretch.shards)))
+        ids = [s[0] for s in sources[stretch.start:stretch.stop]]
+        assert ids == list(range(stretch.first, stretch.first + len(stretch.shards)))
         for at, path, rows, summary in zip(range(stretch.start, stretch.stop), stretch.paths, stretch.rows.tolist(),
                                            stretch.summaries):
             source, run_id, shard, want_rows = sources[at]
@@ -131,12 +132,13 @@ def test_a_start_up_queues_and_indexes_as_shard_by_shard(tmp_path, monkeypatch, 
             db = sqlite3.connect(state)
             with db:
                 db.executemany("INSERT OR REPLACE INTO taken (source, row, step, pos, epoch) VALUES (?, ?, ?, ?, 0)",
-                               [(source, row, 1, 0) for source in range(3, 400, 7) for row in range(3 if source % 2 else 1)])
+                               [(source, row, 1, 0) for source in range(3, 400, 7)
+                                for row in range(3 if source % 2 else 1)])
             db.close()
         states[one_by_one] = _start(tmp_path / "store", state, one_by_one, monkeypatch)
         shutil.copy(state, tmp_path / f"kept-{one_by_one}.db")
     assert states[False] == states[True]
     assert states[False][2] == 1200 - (3 * 29 + 28 if restart else 0)
-    tables = [sqlite3.connect(tmp_path / f"kept-{flag}.db").execute("SELECT * FROM sources ORDER BY source_id").fetchall()
-              for flag in (True, False)]
+    tables = [sqlite3.connect(tmp_path / f"kept-{flag}.db").execute("SELECT * FROM sources ORDER BY source_id")
+              .fetchall() for flag in (True, False)]
     assert tables[0] == tables[1] and len(tables[0]) == 400
