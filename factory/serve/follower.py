@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from factory.index_runs import INDEX_COLUMNS, rows_of, table_of, table_of_many
 from factory.store import CommitRecord, StoreError
-from factory.store_records import GROUPED, Block, Loose, Records
+from factory.store_records import GROUPED, Block, Loose, Records, int64_values
 
 if TYPE_CHECKING:
     from factory.store_object import StoreReader
@@ -49,6 +49,41 @@ class NewShard:
         if self.index_at == 0 and self.file_index.num_rows == self.rows:
             return self.file_index
         return self.file_index.slice(self.index_at, self.rows)
+
+
+@dataclass
+class NewShards:
+    """Consecutive members of a `Loose` run (each in its own file, its index from its commit record's summary, its
+    file there) that the service has not indexed, taken together as columns: a start-up before compaction makes
+    no `NewShard` per shard. Member i is shard `shards[i]` at `paths[i]`, rows `index_offset + starts[i] ..` of
+    `file_index` (`rows[i]` of them)."""
+
+    run_id: str
+    shards: list[str]
+    paths: list[str]
+    rows: Any
+    """numpy int64 array: rows of each member."""
+    summaries: list[dict[str, Any]]
+    """Each member's index summary (made into `file_index` with the scan's others, see `summarized_index`)."""
+    file_index: pa.Table | None = None
+    index_offset: int = 0
+    keys: list[tuple[str, str]] | None = None
+    """(run, shard) of each member, where the service made them."""
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @property
+    def total(self) -> int:
+        return int(self.rows.sum())
+
+    def members(self) -> list[NewShard]:
+        """One `NewShard` each (for a caller that takes them one by one)."""
+        shards, at = [], self.index_offset
+        for name, path, rows in zip(self.shards, self.paths, self.rows.tolist()):
+            shards.append(NewShard(self.run_id, name, path, rows, self.file_index, 0, at))
+            at += rows
+        return shards
 
 
 @dataclass
@@ -114,11 +149,13 @@ def summaries_table(summaries: list[dict[str, Any]], rows: list[int]) -> tuple[p
     return table_of_many(summaries), starts
 
 
-def summarized_index(shards: list[NewShard], summaries: list[dict[str, Any]]) -> None:
-    """Give `shards` (in order) one index table made from their records' summaries, each its place in it."""
+def summarized_index(shards: list[NewShard | NewShards], summaries: list[dict[str, Any]]) -> None:
+    """Give `shards` (in order; a `NewShards` counts for its members) one index table made from their records'
+    summaries, each its place in it."""
     if not shards:
         return
-    table, starts = summaries_table(summaries, [shard.rows for shard in shards])
+    table, starts = summaries_table(summaries, [shard.total if type(shard) is NewShards else shard.rows
+                                                for shard in shards])
     for shard, at in zip(shards, starts):
         shard.file_index, shard.index_offset = table, at
 
@@ -141,6 +178,24 @@ class OwnFiles:
         if base is None:
             base = self._bases[run_id] = str(self.store.shard_path(run_id, "x"))[:-1]
         return base + name
+
+    def base(self, run_id: str) -> str:
+        """The run's shard paths without the name (a shard's path is this + its name)."""
+        self.path(run_id, "")
+        return self._bases[run_id]
+
+    def present_many(self, run_id: str, names: list[str], sizes: list[int]) -> list[bool]:
+        """`present` of each of `names` (`sizes` bytes each, in order): the same looks, without a path made for
+        each once the run's listing is read."""
+        found: list[bool] = []
+        at = 0
+        while at < len(names) and self._names.get(run_id) is None:
+            found.append(self.present(run_id, names[at], self.path(run_id, names[at]), sizes[at]))
+            at += 1
+        if at < len(names):
+            listed = self._names[run_id]
+            found.extend([name in listed for name in (names[at:] if at else names)])
+        return found
 
     def present(self, run_id: str, name: str, path: str, size: int) -> bool:
         """Whether shard `name` (at `path`, `size` bytes by its record) is there."""
@@ -209,6 +264,83 @@ class Locator:
         return (path, record.index) if self._own_files.present(run_id, shard, path, record.bytes) else None
 
 
+    def own_stretches(self, sources: list[tuple[int, str, str, int]], least: int = 64) -> list[OwnStretch]:
+        """Stretches of `sources` ((source id, run, shard, rows) in order) that `own_file` would each find in its
+        own file with its summary, as columns: consecutive ids, consecutive members of one `Loose` run of records
+        (their names compared as lists, not looked up one by one), each of its record's rows, with a summary, its
+        file there. Stretches shorter than `least` are left to `own_file`."""
+        import numpy as np
+
+        stretches: list[OwnStretch] = []
+        if not sources:
+            return stretches
+        ids, runs, names, rows = (list(column) for column in zip(*sources))
+        count = len(sources)
+        at = 0
+        while at < count:
+            run_id = runs[at]
+            records = self._snapshot(run_id)
+            plain = type(records) is not Records or names[at] in records._items  # a record of its own, or no Records
+            hit = None if plain else records._in_blocks(names[at])
+            if hit is None or type(hit[0]) is not Loose or hit[0].codes is None:
+                at += 1
+                continue
+            item, first = hit
+            members = item.names()
+
+            def same(length: int) -> bool:
+                return (ids[at + length - 1] - ids[at] == length - 1
+                        and names[at:at + length] == members[first:first + length]
+                        and runs[at:at + length].count(run_id) == length)
+
+            length = min(len(item) - first, count - at)
+            if not same(length):  # the longest stretch that is (binary search: each test holds for its prefixes)
+                low, high = 1, length - 1
+                while low < high:
+                    middle = (low + high + 1) // 2
+                    low, high = (middle, high) if same(middle) else (low, middle - 1)
+                length = low
+            if length < least:
+                at += length
+                continue
+            span = slice(first, first + length)
+            member_rows, codes = item.rows[span], item.codes[span]
+            totals = np.array([-1 if total is None else total for total in item.totals], dtype=np.int64)
+            good = (codes != 0) & (totals[codes] == member_rows) & (member_rows == np.array(rows[at:at + length]))
+            looks = np.flatnonzero(good)
+            if len(looks):
+                sizes = int64_values(item.members.column("bytes"))[span]
+                there = self._own_files.present_many(run_id, [members[first + i] for i in looks.tolist()],
+                                                      sizes[looks].tolist())
+                good[looks[~np.array(there, dtype=bool)]] = False
+            cuts = np.flatnonzero(good[1:] != good[:-1]) + 1
+            base, summaries = self._own_files.base(run_id), item.summaries
+            for low, high in zip([0, *cuts.tolist()], [*cuts.tolist(), length]):
+                if good[low] and high - low >= least:
+                    part = names[at + low:at + high]
+                    stretches.append(OwnStretch(at + low, at + high, ids[at + low], run_id, part,
+                                                [base + name for name in part], member_rows[low:high],
+                                                [summaries[code] for code in codes[low:high].tolist()]))
+            at += length
+        return stretches
+
+
+@dataclass
+class OwnStretch:
+    """Sources `start .. stop` (positions in the list given to `Locator.own_stretches`), ids `first ..`: shards in
+    their own files, whose index is their summary."""
+
+    start: int
+    stop: int
+    first: int
+    run_id: str
+    shards: list[str]
+    paths: list[str]
+    rows: Any
+    """numpy int64 array."""
+    summaries: list[dict[str, Any]]
+
+
 class IndexCache:
     """Index columns of recently read files, so the shards of one compacted file cost one read of it."""
 
@@ -263,8 +395,8 @@ def runs_to_follow(store: StoreReader, follow: list[str], ingest_run: str) -> li
 
 def scan_new_shards(
     store: StoreReader, runs: list[str], known: Collection[tuple[str, str]], reported: set[str],
-    moved: list[Moved] | None = None, known_blocks: KnownBlocks | None = None,
-) -> list[NewShard | NewBlock]:
+    moved: list[Moved] | None = None, known_blocks: KnownBlocks | None = None, together: bool = False,
+) -> list[NewShard | NewShards | NewBlock]:
     """Committed, intact shards of `runs` not in `known`, in commit order; a bad shard is logged once and left out.
 
     `moved`, if given, gets the known shards whose rows a compaction moved into a merged file that is in place
@@ -273,10 +405,13 @@ def scan_new_shards(
     Members of a compacted file that the store holds as a block (a manifest's) and that none of this knows come
     as one `NewBlock`; where some of them are known, they come one by one as before.
 
+    `together`: consecutive members of a `Loose` run of records (uncompacted shards, as columns) whose index is
+    their record's summary and whose files are there come as one `NewShards` (else as a `NewShard` each).
+
     Each scan looks only at what the runs' logs added or changed since the previous scan with this store
     object (and at shards that could not be read then), not at the whole history.
     """
-    found: list[NewShard | NewBlock] = []
+    found: list[NewShard | NewShards | NewBlock] = []
     indexes = IndexCache(filesystem=store.filesystem)
     sizes: dict[Path | str, int | None] = {}
     paths: dict[str, Path | str] = {}
@@ -315,9 +450,45 @@ def scan_new_shards(
     def inside_blocks(run_id: str, file: str, start: int, end: int) -> bool:
         return covered(known_blocks, run_id, file, start, end) is True or covered(taken, run_id, file, start, end) is True
 
+    def loose_together(run_id: str, item: Loose) -> Iterator[Any]:
+        """`items_of` for a Loose run, as columns: the members it would take one by one (index from a summary,
+        file there, not known) as a `NewShards` for each stretch of them, the records of the others (in order)."""
+        import numpy as np
+
+        names, rows, count = item.names(), item.rows, len(item)
+        codes = item.codes
+        totals = np.array([-1 if total is None else total for total in item.totals], dtype=np.int64)
+        summarized = (codes != 0) & (totals[codes] == rows)
+        unknown = (np.fromiter(((run_id, name) not in known for name in names), dtype=bool, count=count)
+                   if known else np.ones(count, dtype=bool))
+        looks = np.flatnonzero(summarized & unknown)
+        take = np.zeros(count, dtype=bool)
+        if len(looks):
+            sizes = int64_values(item.members.column("bytes"))
+            there = own.present_many(run_id, [names[at] for at in looks.tolist()], sizes[looks].tolist())
+            take[looks[np.array(there, dtype=bool)]] = True
+        cuts = np.flatnonzero(take[1:] != take[:-1]) + 1
+        base, summaries_of = own.base(run_id), item.summaries
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), count]):
+            if take[lo]:
+                part = names[lo:hi]
+                shards = NewShards(run_id, part, [base + name for name in part], rows[lo:hi],
+                                   [summaries_of[code] for code in codes[lo:hi].tolist()])
+                summarized_items.append(shards)
+                summaries.extend(shards.summaries)
+                found.append(shards)
+                again.update(part)
+                continue
+            for at in range(lo, hi):
+                if unknown[at]:
+                    yield item.record(at)
+
     def items_of(run_id: str, items: list[Any]) -> Iterator[Any]:
         """Records, and blocks none of whose members is known yet (else their members' records)."""
         for item in items:
+            if together and type(item) is Loose and item.codes is not None and len(item):
+                yield from loose_together(run_id, item)
+                continue
             if type(item) is Loose:  # records in their own files, loaded as columns: no record made for a member
                 # known already, nor for one whose index is its summary and whose file is there (taken here, as
                 # the loop below takes such a record); the others' records go through that loop
@@ -328,7 +499,7 @@ def scan_new_shards(
                         path = own.path(run_id, name)
                         if own.present(run_id, name, path, size):
                             shard = NewShard(run_id, name, path, rows, None, 0)
-                            summarized.append(shard)
+                            summarized_items.append(shard)
                             summaries.append(summary)
                             found.append(shard)
                             again.add(name)
@@ -349,7 +520,7 @@ def scan_new_shards(
     index_summary = getattr(store, "index_summary", None)
     for run_id in runs:
         paths.clear()
-        summarized: list[NewShard] = []
+        summarized_items: list[NewShard | NewShards] = []
         summaries: list[dict[str, Any]] = []
         cursor, retry, retry_blocks = cursors.get(run_id, (None, set(), []))
         cursor, changed = changed_items(run_id, cursor) if changed_items is not None else store.changes(run_id, cursor)
@@ -401,7 +572,7 @@ def scan_new_shards(
                 path = own.path(run_id, name)
                 if own.present(run_id, name, path, record.bytes):
                     shard = NewShard(run_id, name, path, record.rows, None, 0)  # its index: summarized_index
-                    summarized.append(shard)
+                    summarized_items.append(shard)
                     summaries.append(summary)
                     found.append(shard)
                     again.add(name)
@@ -428,7 +599,7 @@ def scan_new_shards(
                 continue
             found.append(NewShard(run_id, name, path, record.rows, index, record.row_offset))
             again.add(name)
-        summarized_index(summarized, summaries)
+        summarized_index(summarized_items, summaries)
         cursors[run_id] = (cursor, again, again_blocks)
     return found
 

@@ -34,6 +34,8 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Iterator
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -362,7 +364,8 @@ class BatchService:
             those summaries first (`follower.summaries_table`: their files are not opened)."""
             nonlocal ranges
             if deferred:
-                table, starts = summaries_table(summaries, [ranges[position][2] for position in deferred])
+                table, starts = summaries_table(summaries, [rows_ if type(rows_) is int else int(rows_.sum()) for rows_
+                                                            in (ranges[position][2] for position in deferred)])
                 for position, at in zip(deferred, starts):
                     _, _, rows_, source_ = ranges[position]
                     ranges[position] = (table, at, rows_, source_)
@@ -374,7 +377,44 @@ class BatchService:
         own_file = locator.own_file if sources else None
         paths, source_ids, add_known = self.sources, self._source_ids, self._known.add
         count = taken.count if taken is not None and len(taken) else None
-        for source, run_id, shard, rows in sources:
+        # stretches of shards in their own files whose index is their record's summary (before compaction, every
+        # shard): taken as columns, not one by one
+        stretches = locator.own_stretches(sources) if sources and getattr(self.store, "current", None) else []
+        if stretches:
+            import numpy as np
+
+            taken_ids = np.fromiter(taken._counts.keys(), dtype=np.int64) if count is not None else None
+            taken_counts = np.fromiter(taken._counts.values(), dtype=np.int64) if count is not None else None
+        stretch_at = {stretch.start: stretch for stretch in stretches}
+        at, total = 0, len(sources)
+        while at < total:
+            stretch = stretch_at.get(at)
+            if stretch is not None:
+                first, length = stretch.first, stretch.stop - stretch.start
+                if block is not None:
+                    add_blocks_before(first)
+                ids = range(first, first + length)
+                keys = list(zip(repeat(stretch.run_id), stretch.shards))
+                paths.update(zip(ids, stretch.paths))
+                source_ids.update(zip(keys, ids))
+                self._known.update(keys)
+                cuts = [0, length]
+                if taken_ids is not None:  # sources whose rows are all taken: none of theirs queued (as below)
+                    low, high = np.searchsorted(taken_ids, [first, first + length])
+                    within = taken_ids[low:high] - first
+                    full = within[taken_counts[low:high] >= stretch.rows[within]].tolist()
+                    cuts = [0] + [edge for position in full for edge in (position, position + 1)] + [length]
+                for lo, hi in zip(cuts[::2], cuts[1::2]):
+                    if hi > lo:
+                        if len(ranges) >= 50_000:
+                            enqueue()
+                        deferred.append(len(ranges))
+                        summaries.extend(stretch.summaries[lo:hi])
+                        ranges.append((None, 0, stretch.rows[lo:hi], first + lo))
+                at = stretch.stop
+                continue
+            source, run_id, shard, rows = sources[at]
+            at += 1
             if block is not None:
                 add_blocks_before(source)
             own = own_file(run_id, shard, rows)  # its index from its commit record, if it carries one
@@ -401,7 +441,7 @@ class BatchService:
                 table = indexes.file(path, offset, rows)
             except OSError as error:
                 logger.error("indexed shard %s is gone or unreadable; its %d unserved groups are lost: %s", path,
-                             rows - done, error)
+                             rows - (count(source) if count is not None else 0), error)
                 continue
             if len(ranges) >= 50_000 and ranges[-1][0] is not table:  # the index columns are not all held at once
                 enqueue()
@@ -507,7 +547,7 @@ class BatchService:
         runs = runs_to_follow(self.store, self.config.follow_runs, self.config.ingest_run)
         moved: list[Moved] = []
         blocks = {key: list(spans) for key, spans in self._block_ranges.items()}
-        return scan_new_shards(self.store, runs, set(self._known), self._reported, moved, blocks), moved
+        return scan_new_shards(self.store, runs, set(self._known), self._reported, moved, blocks, together=True), moved
 
     def _add_block(self, first_source: int, run_id: str, file: str, path: Path | str, first: int, member_rows: Any) -> None:
         """Note an indexed block of a compacted file's members: source `first_source + i` is member i."""
@@ -531,8 +571,9 @@ class BatchService:
         self._relocate(moved)
         if not shards:
             return
-        from factory.serve.follower import NewBlock, covered  # not before: an idle service has not loaded the store
-        from factory.serve.state import BlockRows
+        # not before: an idle service has not loaded the store
+        from factory.serve.follower import NewBlock, NewShards, covered
+        from factory.serve.state import BlockRows, ShardRows
 
         new: list[NewShard | NewBlock] = []
         keys: list[tuple[str, str]] = []
@@ -542,8 +583,30 @@ class BatchService:
         id_files: dict[Path | str, list[str]] = {}
         seen: set[tuple[str, str]] = set()
         known_keys, ingest_run, no_ids = self._known, self.config.ingest_run, []
-        for shard in shards:
+
+        def one_by_one(shards: list[Any]) -> Iterator[Any]:
+            """`NewShards` whole where none of its members is known or met before in this scan (nor of the ingest
+            run, whose group ids are read shard by shard), else as a `NewShard` each."""
+            for shard in shards:
+                if type(shard) is not NewShards:
+                    yield shard
+                    continue
+                members = list(zip(repeat(shard.run_id), shard.shards))
+                if shard.run_id == ingest_run or not known_keys.isdisjoint(members) or not seen.isdisjoint(members):
+                    yield from shard.members()
+                    continue
+                shard.keys = members
+                yield shard
+
+        for shard in one_by_one(shards):
             run_id = shard.run_id
+            if type(shard) is NewShards:
+                seen.update(shard.keys)
+                new.append(shard)
+                keys.append(None)
+                ids_of.append(no_ids)
+                entries.append((run_id, "", ShardRows(shard.shards, shard.rows.tolist()), no_ids))
+                continue
             if type(shard) is NewBlock:
                 key = (run_id, f"\x00{shard.file}\x00{shard.first}")
                 known = covered(self._block_ranges, run_id, shard.file, shard.first, shard.first + shard.rows)
@@ -581,6 +644,18 @@ class BatchService:
         for shard, key, ids, source in zip(new, keys, ids_of, sources):
             if ids:
                 self._stored_ids.difference_update(ids)
+            if type(shard) is NewShards:  # source: their ids, in order
+                paths.update(zip(source, shard.paths))
+                source_ids.update(zip(shard.keys, source))
+                known_keys.update(shard.keys)
+                if type(source) is range:  # consecutive: one range of the queueing (as a block's)
+                    add_range((shard.file_index, shard.index_offset, shard.rows, source.start))
+                    continue
+                at = shard.index_offset
+                for rows, one in zip(shard.rows.tolist(), source):
+                    add_range((shard.file_index, at, rows, one))
+                    at += rows
+                continue
             if type(shard) is NewBlock:
                 self._add_block(source, shard.run_id, shard.file, shard.path, shard.first, shard.member_rows)
                 add_range((shard.file_index, shard.first, shard.member_rows, source))

@@ -18,7 +18,7 @@ import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,15 @@ class TakenRows:
     def count(self, source: int) -> int:
         """Rows of `source` taken."""
         return self._counts.get(source, 0)
+
+
+@dataclass(frozen=True)
+class ShardRows:
+    """Many shards, each in its own file, indexed as one entry of `add_sources` (`shards[i]` has `rows[i]` rows): one
+    row each in `sources`, as separate entries would be, with no Python tuple made per shard by the caller."""
+
+    shards: list[str]
+    rows: list[int]
 
 
 @dataclass(frozen=True)
@@ -186,7 +195,7 @@ class ServedState:
                     "VALUES (?, ?, ?, ?, ?, ?)", (first, run_id, file, first_row, len(rows), _member_rows_blob(rows)))
                 self.db.execute("DELETE FROM sources WHERE source_id BETWEEN ? AND ?", (first, first + len(rows) - 1))
 
-    def _insert_sources(self, shards: Sequence[tuple[str, str, int | BlockRows, Iterable[str]]],
+    def _insert_sources(self, shards: Sequence[tuple[str, str, int | BlockRows | ShardRows, Iterable[str]]],
                         first: int) -> tuple[list[int], int, int]:
         """Insert `shards` (see add_sources) with ids from `first` on, skipping those indexed before; returns
         (their ids, rows inserted, rows meant to be)."""
@@ -194,6 +203,12 @@ class ServedState:
         ids: list[int] = []
         rows_of_shards, rows_of_blocks = [], []
         for run_id, shard, rows, _ in shards:
+            if isinstance(rows, ShardRows):
+                count = len(rows.shards)
+                ids.append(range(at, at + count))
+                rows_of_shards.extend(zip(range(at, at + count), repeat(run_id), rows.shards, rows.rows))
+                at += count
+                continue
             ids.append(at)
             if isinstance(rows, BlockRows):
                 rows_of_blocks.append(
@@ -216,11 +231,13 @@ class ServedState:
         (blocks,) = self.db.execute("SELECT COALESCE(MAX(first_source + members - 1), 0) FROM source_blocks").fetchone()
         return max(shards, blocks) + 1
 
-    def add_sources(self, shards: Sequence[tuple[str, str, int | BlockRows, Iterable[str]]]) -> list[int]:
+    def add_sources(self, shards: Sequence[tuple[str, str, int | BlockRows | ShardRows, Iterable[str]]]) -> list[Any]:
         """Index many committed shards, each (run_id, shard, rows, group_ids), in ONE transaction; their source ids in order.
 
         An entry whose rows are `BlockRows` indexes a block of members of the compacted file named `shard`; its id
-        is the block's first (member i is that + i). All or nothing: a failed transaction indexes none of them,
+        is the block's first (member i is that + i). One whose rows are `ShardRows` indexes its shards (`shard`
+        unused); its id is theirs, in order: a `range` where they are consecutive (none indexed before), else a
+        list. All or nothing: a failed transaction indexes none of them,
         and the next scan retries them all. Idempotent like `add_source` (a shard or block indexed before keeps
         its ids), and source ids follow the order given, so arrival order is the scan's order. One transaction
         per scan keeps a fresh start over many shards from paying one WAL commit per shard.
@@ -244,6 +261,19 @@ class ServedState:
             at = first
             for entry in shards:
                 run_id, shard, rows, _ = entry
+                if isinstance(rows, ShardRows):  # shard by shard, as entries of their own
+                    own: list[int] = []
+                    for name, count in zip(rows.shards, rows.rows):
+                        found = self.db.execute(
+                            "SELECT source_id FROM sources WHERE run_id = ? AND shard = ?", (run_id, name)).fetchone()
+                        if found is not None:
+                            own.append(int(found[0]))
+                            continue
+                        self._insert_sources([(run_id, name, count, ())], at)
+                        own.append(at)
+                        at += 1
+                    ids.append(own)
+                    continue
                 if isinstance(rows, BlockRows):
                     found = self.db.execute(
                         "SELECT first_source FROM source_blocks WHERE run_id = ? AND file = ? AND first_row = ?",
