@@ -189,8 +189,8 @@ def compact_run(
     """Merge the run's shards into files of about `target_bytes` (see the module docstring).
 
     `workers` processes write the merged files (step 1) while this one commits them (steps 2-4), one at a time and
-    in plan order, as a single process would (see `_merge_in_workers`); None: `default_workers()`; 1, or a
-    compaction of one batch or under PARALLEL_MIN_BYTES: all in this process.
+    in plan order, as a single process would (see `_merge_in_workers`); None: `default_workers()`; 1, a compaction
+    of one batch or under PARALLEL_MIN_BYTES, or a daemonic process (which may not start any): all in this process.
 
     How a merged file is written (`method`; by default chosen per file):
     - "row_groups": the members' row groups copied as they are (factory/parquet_concat.py), the default where the
@@ -224,6 +224,10 @@ def compact_run(
             hows = [method or ("row_groups" if sum(r.bytes for r in batch) >= copy_min_shard_bytes * len(batch)
                                else "pages") for batch in batches]
             workers = default_workers() if workers is None else workers
+            if workers > 1 and multiprocessing.current_process().daemon:
+                # a daemonic process may not start children (multiprocessing's pool workers, Dask's worker processes)
+                logger.info("run %s: compacting in this process (it is daemonic: no worker processes)", run_id)
+                workers = 1
 
             def merged(batch: list[CommitRecord], name: str | None) -> None:
                 if name and progress:

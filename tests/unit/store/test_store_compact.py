@@ -594,6 +594,25 @@ def test_a_small_compaction_stays_in_one_process(tmp_path, monkeypatch):
     assert 1 <= compact.default_workers() <= compact.MAX_DEFAULT_WORKERS
 
 
+def _compact_with_two_workers(root: str, target: int) -> int:
+    return len(compact_run(ShardStore(root), "r", target_bytes=target, workers=2).files)
+
+
+def test_a_daemonic_process_compacts_in_itself(tmp_path, parallel):
+    """multiprocessing's pool workers and Dask's worker processes are daemonic and may not start children: asked
+    for workers there, the compaction merges in its own process instead of failing."""
+    import multiprocessing
+
+    store = ShardStore(tmp_path)
+    fill(store, "r", 12)
+    before = ids(store, "r")
+    target = sum(r.bytes for r in store.committed("r").values()) // 3
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # its worker is daemonic
+        assert pool.apply(_compact_with_two_workers, (str(tmp_path), target)) >= 3
+    fresh = ShardStore(tmp_path)
+    assert ids(fresh, "r") == before and fresh.verify("r") == []
+
+
 @pytest.mark.parametrize("failure", ["disk full", "worker killed", "damaged member"])
 def test_a_worker_failure_fails_its_batch_as_in_one_process(tmp_path, parallel, monkeypatch, failure):
     import errno
