@@ -287,6 +287,15 @@ def _isolated(function, *args, timeout: float | None = None) -> dict:
         return pool.apply_async(function, args).get(timeout)
 
 
+def _isolated_parent(function, *args) -> dict:
+    """`function(*args)` in a fresh process that may start processes of its own (a compaction's workers): a
+    multiprocessing pool's worker is daemonic and may not (the compaction would merge in one process)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method: str | None = None,
              build_workers: int = 1, profile: tuple[str, ...] = (), startup_limit_s: float | None = None) -> list[dict]:
     call = _isolated if isolate else (lambda f, *a, timeout=None: f(*a))
@@ -311,7 +320,7 @@ def run_size(scratch: Path, shards: int, target_mb: float, isolate: bool, method
     Path(state).unlink(missing_ok=True)
     for phase in ("before", "after"):
         if phase == "after":
-            done = call(compact, str(root), target_mb, method)
+            done = (_isolated_parent if isolate else call)(compact, str(root), target_mb, method)
             print(f"# compaction: {json.dumps(done)}, {_now()}", flush=True)
         row = {"shards": shards, "phase": phase, "mb": built["bytes"] / 1e6,
                "build_ms_per_shard": built["write_seconds"] / shards * 1e3, "startup_limit_s": startup_limit_s}
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-shard-scale-"))
     if args.compare:
         try:
-            rows = _isolated(compaction_compare, str(scratch), args.small_shards, *args.large, args.pairs, args.target_mb)
+            rows = _isolated_parent(compaction_compare, str(scratch), args.small_shards, *args.large, args.pairs, args.target_mb)
         finally:
             if not args.dir:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -418,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         root = scratch / "throughput"
         shutil.rmtree(root, ignore_errors=True)
         try:
-            result = _isolated(compaction_throughput, str(root), *args.throughput, args.target_mb)
+            result = _isolated_parent(compaction_throughput, str(root), *args.throughput, args.target_mb)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(json.dumps(result))
