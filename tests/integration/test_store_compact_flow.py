@@ -24,6 +24,7 @@ def test_compact_flow_merges_beside_a_live_writer(prefect_server, tmp_path, monk
         monkeypatch.setattr(store_compact, "plan", lambda records, _target, **kw: real(records, 20_000, **kw))
         monkeypatch.setattr(store_compact, "PARALLEL_MIN_BYTES", 0)
 
+    others = set(multiprocessing.active_children())  # children of other tests (the shared scorer pool's workers)
     store = ShardStore(tmp_path)
     for chunk in range(20):
         store.commit("run-1", "w0", chunk, synthetic_groups(5, start=chunk * 5, group_size=2, seq_len=8))
@@ -44,7 +45,7 @@ def test_compact_flow_merges_beside_a_live_writer(prefect_server, tmp_path, monk
         thread.join()
     assert reports[0]["shards"] >= 20 and reports[0]["files"]
     assert len(reports[0]["files"]) > 1 or workers == 1
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) - others == set()  # the compaction's workers stopped with it
     fresh = ShardStore(tmp_path)
     ids = [g.group_id for g in fresh.iter_groups("run-1")]
     assert len(ids) == len(set(ids)) == fresh.count("run-1") and fresh.verify("run-1") == []
