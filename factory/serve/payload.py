@@ -17,7 +17,7 @@ import bisect
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,17 +120,8 @@ def json_batch(rows: list[dict], *, rows_per_chunk: int = 4) -> memoryview:
     machine): a batch prefetched in a thread so kept the event loop from answering the trainer's next /batch and from
     sending the body it had. Between chunks the loop runs. The body grows in place (a bytearray, returned as a
     memoryview that responses send as is), and each row's views are dropped once written."""
-    out = bytearray(b'{"batch":[')
-    for start in range(0, len(rows), rows_per_chunk):
-        stop = min(start + rows_per_chunk, len(rows))
-        chunk = orjson.dumps(rows[start:stop], option=_NUMPY)
-        rows[start:stop] = [None] * (stop - start)
-        if start:
-            out += b","
-        out += memoryview(chunk)[1:-1]  # the rows without the list's brackets
-        del chunk
-    rows.clear()
-    out += b"]}"
+    out = bytearray()
+    _write_batch(rows, out.extend, rows_per_chunk)
     return memoryview(out)
 
 
@@ -143,19 +134,26 @@ def gzip_batch(rows: list[dict], compressor: Any, *, rows_per_chunk: int = 4) ->
     compressed, so the batch's Arrow buffers are freed while its gzip grows (if the caller holds no other
     reference to them). The gzip grows in place (a bytearray, returned as a memoryview that responses send as is):
     joining its pieces at the end held it twice."""
-    out = bytearray(compressor.compress(b'{"batch":['))
+    out = bytearray()
+    _write_batch(rows, lambda piece: out.extend(compressor.compress(piece)), rows_per_chunk)
+    out += compressor.flush()
+    return memoryview(out)
+
+
+def _write_batch(rows: list[dict], write: Callable[[Any], Any], rows_per_chunk: int) -> None:
+    """The /batch body of `rows` handed to `write` in pieces, `rows_per_chunk` rows at a time, each row let go once
+    written (`rows` is empty after)."""
+    write(b'{"batch":[')
     for start in range(0, len(rows), rows_per_chunk):
         stop = min(start + rows_per_chunk, len(rows))
         chunk = orjson.dumps(rows[start:stop], option=_NUMPY)
         rows[start:stop] = [None] * (stop - start)
         if start:
-            out += compressor.compress(b",")
-        out += compressor.compress(memoryview(chunk)[1:-1])  # the rows without the list's brackets
+            write(b",")
+        write(memoryview(chunk)[1:-1])  # the rows without the list's brackets
         del chunk
     rows.clear()
-    out += compressor.compress(b"]}")
-    out += compressor.flush()
-    return memoryview(out)
+    write(b"]}")
 
 
 def batch_json(items: Sequence[bytes]) -> bytes:

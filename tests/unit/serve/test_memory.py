@@ -107,3 +107,17 @@ def test_the_reader_keeps_only_the_row_group_the_next_batch_starts_in(tmp_path):
     assert reader.read([(path, 6), (path, 7)]).column("tokens").to_pylist() == [groups[6].tokens, groups[7].tokens]
     with pytest.raises(PayloadError):
         reader.read([(path, 8)])
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 4, 64])
+def test_a_json_batch_made_a_few_rows_at_a_time_is_the_json_body(tmp_path, rows_per_chunk):
+    from factory.serve.payload import batch_rows, json_batch
+
+    store = ShardStore(tmp_path)
+    store.commit("r", "p", 0, list(synthetic_groups(9, group_size=3, seq_len=16)), row_group_groups=4)
+    table = PayloadReader(1 << 20).read([(store.shard_paths("r")[0], row) for row in (8, 0, 4, 5, 1)])
+    for metadata in (False, True):
+        rows = batch_rows(table, metadata=metadata)
+        assert bytes(json_batch(rows, rows_per_chunk=rows_per_chunk)) == encode_batch(table, metadata=metadata)
+        assert rows == []
+    assert bytes(json_batch(batch_rows(table.slice(0, 0)))) == b'{"batch":[]}'
