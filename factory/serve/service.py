@@ -1174,9 +1174,9 @@ class BatchService:
             table = None
             body.raw = json_batch(rows)
             return body
-        body.raw = encode_batch(table, metadata=self.config.batch_metadata)
+        body.raw = encode_batch(table, metadata=self.config.batch_metadata)  # small, for a gzip client
         table = None  # the rows are not needed for the gzip: not held beside it
-        if compress and level and len(body.raw) >= self.config.gzip_min_bytes:
+        if level and len(body.raw) >= self.config.gzip_min_bytes:
             # A gzip client gets the gzip only: not keeping the JSON as well lowers what a prefetched body and the
             # one being sent hold (~2.3x less at gzip level 1); a client that does not take gzip has it made again.
             body.gz, body.raw = gzip_compress(body.raw, level), None
