@@ -77,6 +77,23 @@ def column(values: list[Any], type_: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(type_, len(data), [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))])
 
 
+def column_of_lines(text: str) -> pa.Array:
+    """The lines of `text` (separated by "\\n", no trailing one) as an Arrow string array, without a Python string
+    per line; no lines for an empty `text`."""
+    data = np.frombuffer(text.encode(), dtype=np.uint8)
+    if not len(data):
+        return pa.Array.from_buffers(pa.string(), 0, [None, pa.py_buffer(np.zeros(1, np.int32)), pa.py_buffer(b"")])
+    breaks = np.flatnonzero(data == 10)
+    if len(data) - len(breaks) >= 1 << 31:
+        raise ValueError("a string column of 2 GiB or more")
+    offsets = np.empty(len(breaks) + 2, dtype=np.int32)
+    offsets[0] = 0
+    offsets[1:-1] = breaks - np.arange(len(breaks))  # each line's end once the breaks before it are dropped
+    offsets[-1] = len(data) - len(breaks)
+    return pa.Array.from_buffers(pa.string(), len(breaks) + 1,
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(np.delete(data, breaks))])
+
+
 def table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
     """`pa.Table.from_pydict(columns, schema=schema)` for int64 and string columns, without importing pandas."""
     return pa.Table.from_arrays([column(columns[field.name], field.type) for field in schema], schema=schema)
@@ -399,6 +416,33 @@ class Records:
             return None
         block, at = hit
         return (name, 0) if type(block) is Loose else (block.file, int(block.offsets[at]))
+
+    def locate(self, names: pa.Array) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """`where` for many shard names at once, as columns: a code per name into the returned list of files (-1
+        where the shard is in its own file or not committed) and the first row of its rows in that file. Hash
+        lookups of the whole column, not a dict of every member (what `where` builds on its first call)."""
+        import pyarrow.compute as pc
+
+        codes, firsts = np.full(len(names), -1, np.int64), np.zeros(len(names), np.int64)
+        files: dict[str, int] = {}
+        blocks = [item for item in self._items.values() if type(item) is Block]
+        if blocks and len(names):
+            members = pa.chunked_array([chunk for b in blocks for chunk in b.members.column("shard").chunks],
+                                       pa.string()).combine_chunks()
+            at = int64_values(pc.index_in(names, value_set=members), null=-1)
+            hit = np.flatnonzero(at >= 0)
+            block_files = np.array([files.setdefault(b.file, len(files)) for b in blocks], dtype=np.int64)
+            codes[hit] = np.repeat(block_files, [len(b) for b in blocks])[at[hit]]
+            firsts[hit] = np.concatenate([b.offsets for b in blocks])[at[hit]]
+        moved = {name: item for name, item in self._items.items()
+                 if type(item) not in GROUPED and item.physical != name}  # records of shards merged one by one
+        if moved and len(names):
+            records = list(moved.values())
+            at = int64_values(pc.index_in(names, value_set=column(list(moved), pa.string())), null=-1)
+            for index in np.flatnonzero(at >= 0).tolist():
+                record = records[at[index]]
+                codes[index], firsts[index] = files.setdefault(record.physical, len(files)), record.row_offset
+        return codes, list(files), firsts
 
     def own(self, name: str) -> CommitRecord | None:
         """A shard's record where it is a record or a member of a `Loose` (made then); None for a member of a

@@ -324,6 +324,8 @@ class BatchService:
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
+        if self.state.has_sources() and getattr(self.store, "where", None) is not None:
+            self._fold()
         sources = self.state.sources()
         blocks = self.state.source_blocks()
         taken: TakenRows | None = None
@@ -332,8 +334,6 @@ class BatchService:
 
             taken = self.state.taken_rows()
             indexes, locator = IndexCache(filesystem=self.store.filesystem), Locator(self.store)
-        if sources and getattr(self.store, "where", None) is not None:
-            sources, blocks = self._fold(sources, blocks)
         ranges: list[tuple[Any, int, Any, int]] = []
         pending_blocks = iter(blocks)
         block = next(pending_blocks, None)
@@ -451,66 +451,90 @@ class BatchService:
         logger.info("served state loaded: step %d, %d groups queued from %d shards and %d blocks of compacted files",
                     self.step, self.queue.groups, len(self.sources), len(self._block_firsts))
 
-    def _fold(self, sources: list[tuple[int, str, str, int]], blocks: list[Any]) -> tuple[list[Any], list[Any]]:
+    def _fold(self) -> None:
         """Shards indexed one by one (as they were committed) that a compaction has since merged, in the same
         order, into one file: each run of consecutive source ids becomes one block of the served state (their ids
-        and taken rows unchanged), so that this start-up is the last to look at them one by one. Returns the
-        sources and blocks to load."""
+        and taken rows unchanged), so that this start-up is the last to look at them one by one. Works on columns
+        (the served state's sources, each run's records looked up all at once): at a million shards a loop per
+        source was most of a restart's time."""
         import numpy as np
 
         compacted = getattr(self.store, "compacted", None)
-        if compacted is not None and not any(compacted(run_id) for run_id in {source[1] for source in sources}):
-            return sources, blocks  # no run compacted: every shard in its own file, none to fold (no look each)
-        where = self.store.where
         current = getattr(self.store, "current", None)
-        if current is not None:  # one snapshot of each run's records, not a look at its log (a stat) per source
-            snapshots: dict[str, Any] = {}
-
-            def where(run_id: str, shard: str) -> tuple[str, int] | None:
-                records = snapshots.get(run_id)
-                if records is None:
-                    records = snapshots[run_id] = current(run_id)
-                return records.where(shard)
-
-        folded: list[tuple[int, str, str, int, Any]] = []
-        left: list[tuple[int, str, str, int]] = []
-        run: list[tuple[int, str, str, int]] = []
-        start = 0
-        file = ""
-
-        def close() -> None:
-            if len(run) >= FOLD_MIN_SHARDS:
-                folded.append((run[0][0], run[0][1], file, start, np.array([r[3] for r in run], dtype=np.int64)))
-            else:
-                left.extend(run)
-            run.clear()
-
-        end = -1
-        for source in sources:
-            source_id, run_id, shard, rows = source
-            found = where(run_id, shard)
-            if found is None or found[0] == shard:  # not committed, or in its own file
-                if run:
-                    close()
-                left.append(source)
-                continue
-            if not (run and source_id == run[-1][0] + 1 and run_id == run[-1][1] and found[0] == file and found[1] == end):
-                close()
-                file, start = found
-            run.append(source)
-            end = found[1] + rows
-        close()
+        runs = self.state.source_runs()
+        if compacted is not None and not any(compacted(run_id) for run_id in runs):
+            return  # no run compacted: every shard in its own file, none to fold (no look each)
+        columns = self.state.source_columns() if current is not None else None
+        if columns is None:  # a store without records to look up at once, or names the columns cannot carry
+            ids, rows, run_codes, codes, firsts, file_names = self._locate_one_by_one(runs)
+        else:
+            ids, rows, run_codes = columns.ids, columns.rows, columns.run_codes.astype(np.int64)
+            runs = columns.runs
+            codes, firsts = np.full(len(ids), -1, np.int64), np.zeros(len(ids), np.int64)
+            file_names = {}
+            for run_code, run_id in enumerate(runs):
+                if compacted is not None and not compacted(run_id):
+                    continue
+                members = np.flatnonzero(run_codes == run_code)
+                names = columns.shards if len(members) == len(ids) else columns.shards.take(members)
+                run_file_codes, run_files, run_firsts = current(run_id).locate(names)
+                inside = run_file_codes >= 0
+                base = len(file_names)  # a code per (run, file): two runs may name their merged files alike
+                file_names.update({base + code: file for code, file in enumerate(run_files)})
+                codes[members[inside]] = run_file_codes[inside] + base
+                firsts[members] = run_firsts
+        # a source continues the block before it where it is the next id, in the same merged file, and its
+        # rows follow that source's rows there
+        inside = codes >= 0
+        follows = np.zeros(len(ids), dtype=bool)
+        follows[1:] = (inside[1:] & inside[:-1] & (ids[1:] == ids[:-1] + 1) & (codes[1:] == codes[:-1])
+                       & (firsts[1:] == firsts[:-1] + rows[:-1]))
+        starts = np.flatnonzero(~follows)
+        lengths = np.diff(np.append(starts, len(ids)))
+        folded, in_blocks = [], np.zeros(len(ids), dtype=bool)
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            if inside[start] and length >= FOLD_MIN_SHARDS:
+                folded.append((int(ids[start]), runs[int(run_codes[start])], file_names[int(codes[start])],
+                               int(firsts[start]), rows[start:start + length].copy()))
+                in_blocks[start:start + length] = True
         if not folded:
-            return sources, blocks
+            return
         try:
-            self.state.fold_sources(folded)
+            self.state.fold_sources(folded, kept=ids[~in_blocks])
         except sqlite3.Error as error:
             logger.error("cannot fold %d runs of compacted shards into blocks of the served state %s (%s); they are "
                          "loaded one by one", len(folded), self.state.path, error)
-            return sources, blocks
+            return
         logger.info("folded %d compacted shards into %d blocks of the served state",
                     sum(len(f[4]) for f in folded), len(folded))
-        return left, self.state.source_blocks()
+
+    def _locate_one_by_one(self, runs: list[str]) -> tuple[Any, ...]:
+        """`_fold`'s columns made source by source (a store that cannot look names up at once)."""
+        import numpy as np
+
+        current = getattr(self.store, "current", None)
+        snapshots: dict[str, Any] = {}
+
+        def where(run_id: str, shard: str) -> tuple[str, int] | None:
+            if current is None:
+                return self.store.where(run_id, shard)
+            records = snapshots.get(run_id)
+            if records is None:  # one snapshot of each run's records, not a look at its log (a stat) per source
+                records = snapshots[run_id] = current(run_id)
+            return records.where(shard)
+
+        sources = self.state.sources()
+        run_index = {run_id: code for code, run_id in enumerate(runs)}
+        files: dict[tuple[str, str], int] = {}
+        codes, firsts = [], []
+        for _, run_id, shard, _ in sources:
+            found = where(run_id, shard)
+            inside = found is not None and found[0] != shard  # (not committed, or in its own file: no block)
+            codes.append(files.setdefault((run_id, found[0]), len(files)) if inside else -1)
+            firsts.append(found[1] if inside else 0)
+        return (np.array([s[0] for s in sources], dtype=np.int64), np.array([s[3] for s in sources], dtype=np.int64),
+                np.array([run_index[s[1]] for s in sources], dtype=np.int64), np.array(codes, dtype=np.int64),
+                np.array(firsts, dtype=np.int64), {code: file for (_, file), code in files.items()})
 
     async def start(self) -> None:
         limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)

@@ -79,10 +79,13 @@ def test_a_fresh_start_indexes_a_compacted_file_as_one_block_and_serves_each_gro
     assert len(served) == len(set(served)) == 240 and set(served) == {g.group_id for g in groups}
 
 
-@pytest.mark.parametrize("save_manifest", [False, True])
-def test_shards_indexed_one_by_one_then_compacted_are_folded_into_a_block(tmp_path, save_manifest):
+@pytest.mark.parametrize("save_manifest,by_columns", [(False, True), (True, True), (True, False)])
+def test_shards_indexed_one_by_one_then_compacted_are_folded_into_a_block(tmp_path, monkeypatch, save_manifest,
+                                                                          by_columns):
     """A service that indexed shards as they came restarts after they were compacted: it folds them into one block
     (same source ids, so the groups it served stay served) and the restart after that loads the block."""
+    if not by_columns:
+        monkeypatch.setattr(ServedState, "source_columns", lambda self: None)
     store = ShardStore(tmp_path)
     groups = _groups(120)
     _commit(store, groups, range(12))
@@ -103,10 +106,13 @@ def test_shards_indexed_one_by_one_then_compacted_are_folded_into_a_block(tmp_pa
     assert len(served) == len(set(served)) == 120
 
 
-def test_only_runs_of_consecutive_sources_in_file_order_are_folded(tmp_path):
+@pytest.mark.parametrize("by_columns", [True, False])
+def test_only_runs_of_consecutive_sources_in_file_order_are_folded(tmp_path, monkeypatch, by_columns):
     """Two runs followed together: each scan indexes one's new shards, then the other's, so a run's members have
     ids in two runs (1, 2 and 5, 6); after both runs are compacted each run of ids becomes a block (four), and
-    nothing is served twice."""
+    nothing is served twice. The same where the sources cannot be read as columns (looked up one by one)."""
+    if not by_columns:
+        monkeypatch.setattr(ServedState, "source_columns", lambda self: None)
     store = ShardStore(tmp_path)
     groups = _groups(80)
 

@@ -11,7 +11,7 @@ import pytest
 
 from factory.store import _MANIFEST_SCHEMA, MANIFEST_NAME, ShardStore
 from factory.store_compact import checkpoint, compact_run
-from factory.store_records import Block
+from factory.store_records import Block, column
 from factory.synthetic import synthetic_groups
 
 
@@ -37,8 +37,19 @@ def _from_log(root: Path) -> ShardStore:
     return store
 
 
+def locate_agrees_with_where(store: ShardStore, names: list[str]) -> None:
+    """`Records.locate` (every name at once, as columns) says what `where` says name by name: the merged file and
+    first row, or -1 for a shard in its own file or not committed."""
+    names = names + ["nope.parquet", "w0-99999999.parquet", "w0-00000000.parquet"]
+    codes, files, firsts = store._read_log("gen").records.locate(column(names, pa.string()))
+    for name, code, first in zip(names, codes.tolist(), firsts.tolist()):
+        found = store._read_log("gen").records.where(name)
+        assert (None if code < 0 else (files[code], first)) == (None if found is None or found[0] == name else found)
+
+
 def _same_answers(store: ShardStore, reference: ShardStore) -> None:
     want = reference.committed("gen")
+    locate_agrees_with_where(store, list(want))
     assert store.committed("gen") == want
     assert list(store.committed("gen")) == list(want)  # log order
     assert [r.shard for r in store.changes("gen")[1]] == [r.shard for r in reference.changes("gen")[1]]

@@ -14,7 +14,7 @@ from factory.store import ShardStore, save_manifest
 from factory.store_compact import checkpoint, compact_run
 from factory.store_records import Block, Loose
 from factory.synthetic import synthetic_groups
-from tests.unit.store.test_manifest_blocks import _from_log
+from tests.unit.store.test_manifest_blocks import _from_log, locate_agrees_with_where
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +39,7 @@ def _same_answers(store: ShardStore, reference: ShardStore) -> None:
     log, want_log = store._read_log("gen"), reference._read_log("gen")
     assert log.live() == want_log.live() and list(log.iter_live()) == want_log.live()
     want = reference.committed("gen")
+    locate_agrees_with_where(store, list(want))
     assert list(store.committed("gen").items()) == list(want.items())
     changes, want_changes = store.changes("gen")[1], reference.changes("gen")[1]
     assert changes == want_changes and [r.index for r in changes] == [r.index for r in want_changes]
