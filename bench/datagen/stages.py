@@ -295,20 +295,26 @@ def versus_raw(args: argparse.Namespace) -> None:
     interleaved per round: raw at `--groups` and at 0 groups (its start-up), then the worker."""
     import subprocess
 
-    from bench.datagen.run import InstantServer
+    from bench.datagen.run import InstantServer, tiny_policy
 
     here = Path(__file__).resolve().parents[2]
+    tokenizer = str(tiny_policy())
     rounds = []
     for round_index in range(args.pairs):
-        with InstantServer(1) as server:
+        # The raw client asks for no ids (the cheaper answer: the stricter limit); with --server-token-ids the
+        # worker asks the same server for them.
+        with InstantServer(1, tokenizer=tokenizer if args.server_token_ids else None) as server:
             raw = raw_cpu(server.base_url, args.groups, args.group_size)
             raw_start = raw_cpu(server.base_url, 0, args.group_size)
-        done = subprocess.run([sys.executable, __file__, "--groups", str(args.groups), "--group-size",
-                               str(args.group_size), "--chunk-items", str(args.chunk_items), "--json-out", os.devnull,
-                               "--record-line"], env={**os.environ, "PYTHONPATH": str(here)}, capture_output=True,
-                              text=True, cwd=here, check=True)
+            done = subprocess.run([sys.executable, __file__, "--groups", str(args.groups), "--group-size",
+                                   str(args.group_size), "--chunk-items", str(args.chunk_items), "--json-out",
+                                   os.devnull, "--record-line", "--url", server.base_url, "--tokenizer", tokenizer,
+                                   *(["--server-token-ids"] if args.server_token_ids else [])],
+                                  env={**os.environ, "PYTHONPATH": str(here)}, capture_output=True, text=True, cwd=here,
+                                  check=True)
         worker = json.loads(done.stdout.strip().splitlines()[-1])
-        rounds.append({"round": round_index, "raw_cpu_s": raw, "raw_start_cpu_s": raw_start,
+        rounds.append({"round": round_index, "server_token_ids": args.server_token_ids, "raw_cpu_s": raw,
+                       "raw_start_cpu_s": raw_start,
                        "worker_cpu_s": worker["worker"]["process_cpu_s"], "stage_cpu_s": worker["stage_cpu_s"],
                        "rows": worker["worker"]["rows"], "content_sha256": worker["worker"]["content_sha256"],
                        "load": os.getloadavg()[0]})
@@ -320,8 +326,9 @@ def versus_raw(args: argparse.Namespace) -> None:
           f"{us * r['worker_cpu_s']:.0f}", f"{r['raw_cpu_s'] / r['worker_cpu_s']:.2f}x",
           f"{(r['raw_cpu_s'] - r['raw_start_cpu_s']) / r['worker_cpu_s']:.2f}x", r["rows"], r["content_sha256"][:12],
           f"{r['load']:.1f}") for r in rounds],
-        title=f"one datagen worker against the raw sockets client, CPU per group, {args.groups} groups of "
-              f"{args.group_size} (target: raw/worker >= 0.25x)")
+        title=f"one datagen worker ({'server returns token ids' if args.server_token_ids else 'tokenizes locally'}) "
+              f"against the raw sockets client, CPU per group, {args.groups} groups of {args.group_size} "
+              f"(target: raw/worker >= 0.25x)")
     with args.json_out.open("a") as out:
         for r in rounds:
             out.write(json.dumps({"bench": "datagen-profile-versus-raw", "time": time.time(),
