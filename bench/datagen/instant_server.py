@@ -74,8 +74,9 @@ def chat_response(body: dict) -> dict:
     offsets = [(0, 0, 1, -1)[zlib.crc32(f"{text}|{i}".encode()) % 4] for i in range(n)]
     choices = [{"index": i, "message": {"role": "assistant", "content": f"<answer>{right + offsets[i]}</answer>"},
                 "finish_reason": "stop"} for i in range(n)]
+    usage = {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}
     answer = {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
-              "choices": choices, "usage": {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}}
+              "choices": choices, "usage": usage}
     if TOKEN_IDS is not None and body.get("return_token_ids"):
         answer["prompt_token_ids"] = TOKEN_IDS.prompt(body["messages"])
         for choice in choices:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -243,7 +244,8 @@ def print_stages(stage_cpu: dict, result: harness.Comparison, groups: int, flow_
     rows.append(("flow, inline scoring (process CPU, median)", f"orchestration ~{100 * max(0.0, 1 - plain / flow):.0f}%",
                  f"{flow:.0f}"))
     harness.print_table(["stage", "share", "CPU us/group"], rows,
-                        title=f"one worker's CPU by stage{title} (bench.datagen.stages; orchestration = 1 - plain / flow)")
+                        title=f"one worker's CPU by stage{title} (bench.datagen.stages; orchestration = 1 - plain "
+                              "/ flow)")
 
 
 def print_rows_written(groups: int) -> bool:
@@ -277,10 +279,10 @@ def print_rounds(result: harness.Comparison) -> None:
             rows.append(row)
     harness.print_table(["round", "flow tokens", "raw groups/s", "flow groups/s (whole call)", "flow/raw",
                          "flow pipeline groups/s", "pipeline/raw",
-                         *(["Atropos loop groups/s", "flow pipeline/Atropos loop", "flow whole call/Atropos whole process"]
-                           if have_atropos else [])],
-                        rows, title="per round: factory flow (inline scoring) vs the raw loop (1 process, no ids asked) "
-                                    "and Atropos (no ids asked)")
+                         *(["Atropos loop groups/s", "flow pipeline/Atropos loop",
+                            "flow whole call/Atropos whole process"] if have_atropos else [])],
+                        rows, title="per round: factory flow (inline scoring) vs the raw loop (1 process, no ids "
+                                    "asked) and Atropos (no ids asked)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="problems for the end-to-end part (default 64; 0 skips it, as --smoke does)")
     parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's process mode")
     parser.add_argument("--server-token-ids", action="store_true",
-                        help="add the raw client and the flow asking the server for token ids (vLLM's return_token_ids)")
+                        help="add the raw client and the flow asking the server for token ids (vLLM's "
+                             "return_token_ids)")
     harness.add_bench_args(parser)
     args = parser.parse_args(argv)
     if args.e2e_groups is None:
@@ -314,38 +317,41 @@ def main(argv: list[str] | None = None) -> None:
     probe_rows, best = probe_raw_limit(max(args.groups, 200 if args.smoke else 2000), args.group_size, args.smoke)
     phase("Prefect server")
     tokenizer = tiny_policy()
-    with harness.prefect_server(work / "prefect"), InstantServer(
-            best["server_workers"], tokenizer=tokenizer if args.server_token_ids else None) as server:
-        g, n, url = args.groups, args.group_size, server.base_url
-        raw_groups = g if args.smoke else max(g, RAW_MIN_GROUPS)
-        sides = [harness.Side(f"raw limit ({best['kind']}, {best['procs']} proc)",
-                              lambda: raw_side(best, url, raw_groups, n)),
-                 harness.Side(INLINE, lambda: factory_flow(url, g, n, tokenizer, work / "store", "inline",
-                                                           score_mode="inline")),
-                 harness.Side(PROCESSES, lambda: factory_flow(url, g, n, tokenizer, work / "store", "processes",
-                                                              score_mode="process"))]
-        if args.server_token_ids:
-            sides[1:1] = [harness.Side(RAW_IDS, lambda: raw_side(best, url, raw_groups, n, token_ids=True))]
-            sides.insert(3, harness.Side(INLINE_IDS, lambda: factory_flow(url, g, n, tokenizer, work / "store", "inline, ids",
-                                                                          server_type="vllm", score_mode="inline")))
-        if atropos is not None:
-            sides.append(harness.Side("atroposlib 0.4.0 process mode",
-                                      lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
-        phase("warm-up: one flow call per scoring mode (imports, tokenizer, Prefect engine), not timed")
-        for side in sides:  # a datagen worker is long-lived: round 0 would otherwise time its start-up
-            if side.name.startswith("factory flow"):
-                side.run()
-        ROWS_WRITTEN.clear()
-        phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
-        result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
-                                 label=f"{g} groups of {n}, instant server x{best['server_workers']}")
-        phase("stage profile of one worker (bench.datagen.stages)")
-        stage_cpu = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work)
-        if args.server_token_ids:
-            stage_ids = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work, server_type="vllm")
-        if args.e2e_groups:
-            phase("end to end on the local policy server")
-            e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
+    try:
+        with harness.prefect_server(work / "prefect"), InstantServer(
+                best["server_workers"], tokenizer=tokenizer if args.server_token_ids else None) as server:
+            g, n, url = args.groups, args.group_size, server.base_url
+            raw_groups = g if args.smoke else max(g, RAW_MIN_GROUPS)
+            sides = [harness.Side(f"raw limit ({best['kind']}, {best['procs']} proc)",
+                                  lambda: raw_side(best, url, raw_groups, n)),
+                     harness.Side(INLINE, lambda: factory_flow(url, g, n, tokenizer, work / "store", "inline",
+                                                               score_mode="inline")),
+                     harness.Side(PROCESSES, lambda: factory_flow(url, g, n, tokenizer, work / "store", "processes",
+                                                                  score_mode="process"))]
+            if args.server_token_ids:
+                sides[1:1] = [harness.Side(RAW_IDS, lambda: raw_side(best, url, raw_groups, n, token_ids=True))]
+                sides.insert(3, harness.Side(INLINE_IDS, lambda: factory_flow(
+                    url, g, n, tokenizer, work / "store", "inline, ids", server_type="vllm", score_mode="inline")))
+            if atropos is not None:
+                sides.append(harness.Side("atroposlib 0.4.0 process mode",
+                                          lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
+            phase("warm-up: one flow call per scoring mode (imports, tokenizer, Prefect engine), not timed")
+            for side in sides:  # a datagen worker is long-lived: round 0 would otherwise time its start-up
+                if side.name.startswith("factory flow"):
+                    side.run()
+            ROWS_WRITTEN.clear()
+            phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
+            result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
+                                     label=f"{g} groups of {n}, instant server x{best['server_workers']}")
+            phase("stage profile of one worker (bench.datagen.stages)")
+            stage_cpu = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work)
+            if args.server_token_ids:
+                stage_ids = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work, server_type="vllm")
+            if args.e2e_groups:
+                phase("end to end on the local policy server")
+                e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
+    finally:  # the stores, Atropos's files and the Prefect home (the rows were hashed already)
+        shutil.rmtree(work, ignore_errors=True)
     phase("done")
 
     harness.print_table(["server workers", "client", "processes", "groups/s"],

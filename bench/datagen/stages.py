@@ -200,8 +200,8 @@ def profile(base_url: str, args: argparse.Namespace, work: Path, tokenizer: str)
     try:
         if profiler is not None:
             profiler.enable()
-        worker = plain_worker(base_url, args.groups, args.group_size, args.chunk_items, tokenizer, work / "plain", clock,
-                              server_type(args))
+        worker = plain_worker(base_url, args.groups, args.group_size, args.chunk_items, tokenizer, work / "plain",
+                              clock, server_type(args))
         if profiler is not None:
             profiler.disable()
     finally:
