@@ -9,6 +9,11 @@
 processes, A,B per round, against one Prefect server, and prints per round each side's warm flow and plain-worker
 CPU per group, the orchestration share and the rows written (count and content hash, which must match).
 
+`--server-token-ids`: the instant server returns token ids to requests that ask (vLLM's `return_token_ids`) and
+the flow and plain worker ask (server_type vllm). With `--versus`, both sides call one instant server started by
+the parent, and only B gets the option (A runs as it is: a checkout from before issue 33's token-id requests asks
+for none and tokenizes locally), so the A/B is "before" against "after, on a server that returns ids".
+
 One process, one Prefect server, the instant server; the flow (`intern_bootcamp_datagen`, inline scoring, thread
 pool) is called `--calls` times and the first call (imports, tokenizer, Prefect engine start) is left out. For
 each warm call: the process CPU per group, each thread's CPU (main thread, task threads, Prefect's own loops),
@@ -122,7 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus", type=Path, metavar="CHECKOUT",
                         help="before/after: CHECKOUT's code (A) and this one's (B) in alternating child processes")
     parser.add_argument("--pairs", type=int, default=2, help="A,B rounds for --versus")
+    parser.add_argument("--server-token-ids", action="store_true",
+                        help="the server returns token ids and the flow asks for them (vLLM's return_token_ids)")
     parser.add_argument("--record-line", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)  # --versus: the parent's instant server
     args = parser.parse_args(argv)
     if args.versus is not None:
         return versus(args, argv)
@@ -139,15 +147,22 @@ def main(argv: list[str] | None = None) -> None:
         _start_profile()
     from bench.datagen.run import ROWS_WRITTEN, InstantServer, factory_flow, tiny_policy
 
+    import contextlib
+
     work = Path(tempfile.mkdtemp(prefix="bench-flowprof-"))
-    with harness.prefect_server(work / "prefect"), InstantServer(1) as server:
+    tokenizer = tiny_policy()
+    ids = {"server_type": "vllm"} if args.server_token_ids else {}  # not passed at all otherwise (older checkouts)
+    if args.url:
+        instant = contextlib.nullcontext(type("Given", (), {"base_url": args.url})())
+    else:
+        instant = InstantServer(1, tokenizer=tokenizer) if args.server_token_ids else InstantServer(1)
+    with harness.prefect_server(work / "prefect"), instant as server:
         count_api_calls()
         import gc
 
         gc.callbacks.append(_gc_clock)
         if args.gc_threshold:
             gc.set_threshold(args.gc_threshold, 10, 10)
-        tokenizer = tiny_policy()
         variants = [int(c) for c in args.chunk_items.split(",") if c] or [max(args.groups // 4, 1)]
         per_variant: dict[int, list[tuple[float, float, float]]] = {c: [] for c in variants}
         for call in range(args.calls * len(variants)):
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 from bench.datagen import stages
 
                 plain = stages.plain_worker(server.base_url, args.groups, args.group_size, chunk_items,
-                                            str(tokenizer), work / f"plain-{call}", stages.StageClock())
+                                            str(tokenizer), work / f"plain-{call}", stages.StageClock(), **ids)
                 plain_us = 1e6 * plain["process_cpu_s"] / args.groups
                 print(f"plain worker (chunk_items {chunk_items}): {plain_us:.0f} us/group process CPU, "
                       f"sha {plain['content_sha256'][:16]}")
@@ -172,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             GC.clear()
             before = thread_cpu()
             result = factory_flow(server.base_url, args.groups, args.group_size, tokenizer, work / "store", "inline",
-                                  score_mode="inline", **{"chunk_items": chunk_items, **extra})
+                                  score_mode="inline", **ids, **{"chunk_items": chunk_items, **extra})
             if call >= len(variants):  # the first call of each is start-up (imports, tokenizer, engine)
                 per_variant[chunk_items].append((result["process CPU us/group"], result["groups/s"],
                                                  result["groups/s, pipeline only"]))
@@ -272,6 +287,8 @@ def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
     import subprocess
     import sys
 
+    from bench.datagen.run import InstantServer, tiny_policy
+
     here = Path(__file__).resolve().parents[2]
     sides = {"A": args.versus.resolve(), "B": here}
     child_args, skip = [], False
@@ -280,20 +297,23 @@ def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
             skip = False
         elif arg in ("--versus", "--pairs"):
             skip = True
-        elif not arg.startswith(("--versus=", "--pairs=")):
+        elif not arg.startswith(("--versus=", "--pairs=")) and arg != "--server-token-ids":
             child_args.append(arg)
     work = Path(tempfile.mkdtemp(prefix="bench-flowprof-versus-"))
     rounds = []
     calls = 2 if args.smoke else args.calls
     groups_per_call = min(args.groups, 32) if args.smoke else args.groups
-    with harness.prefect_server(work / "prefect") as environ:
+    instant = InstantServer(1, tokenizer=tiny_policy()) if args.server_token_ids else InstantServer(1)
+    child_args += ["--url", instant.base_url]
+    with harness.prefect_server(work / "prefect") as environ, instant:
         server = prefect_server_process(environ["PREFECT_API_URL"])
         for round_index in range(args.pairs):
             got = {}
             for name, checkout in sides.items():
                 env = {**os.environ, **environ, "PYTHONPATH": str(checkout)}
                 server_cpu = process_cpu(server)
-                done = subprocess.run([sys.executable, __file__, *child_args, "--record-line"], env=env,
+                own = ["--server-token-ids"] if args.server_token_ids and name == "B" else []
+                done = subprocess.run([sys.executable, __file__, *child_args, *own, "--record-line"], env=env,
                                       capture_output=True, text=True, cwd=checkout)
                 if done.returncode:
                     raise SystemExit(f"side {name} failed: {done.stderr[-2000:]}")

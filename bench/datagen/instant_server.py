@@ -10,7 +10,15 @@ client, so the clients' own overhead is what the benchmark compares. With
 `--workers N` N processes share the port (SO_REUSEPORT); the bench picks the
 fastest setting for the raw limit and uses it for every side.
 
-    python -m bench.datagen.instant_server --port 31500
+With `--tokenizer PATH` a request that asks for `return_token_ids` (as vLLM's
+chat API takes it) gets the prompt's ids (`prompt_token_ids`, top level) and
+each choice's (`token_ids`), as vLLM returns them: the ids the policy's
+tokenizer gives the templated prompt and each answer plus EOS, i.e. the same
+ids a client that tokenizes locally computes, so both modes write the same
+rows. Requests that do not ask get no ids. The server keeps the ids it made
+(by prompt and by answer), so it stays far cheaper than the clients.
+
+    python -m bench.datagen.instant_server --port 31500 [--tokenizer bench/out/datagen/tiny-policy]
 """
 
 from __future__ import annotations
@@ -27,6 +35,37 @@ import zlib
 _NUMBERS = re.compile(r"(\d+)\+(\d+)")
 
 
+class TokenIds:
+    """Token ids as a server with the policy's tokenizer returns them: the templated prompt's and each answer's."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos = self.tokenizer.eos_token_id
+        self._prompts: dict[str, list[int]] = {}
+        self._answers: dict[str, list[int]] = {}
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        key = json.dumps(messages)
+        ids = self._prompts.get(key)
+        if ids is None:
+            if len(self._prompts) > 100_000:
+                self._prompts.clear()
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = self._prompts[key] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def answer(self, text: str) -> list[int]:
+        ids = self._answers.get(text)
+        if ids is None:
+            ids = self._answers[text] = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
+        return ids
+
+
+TOKEN_IDS: TokenIds | None = None
+
+
 def chat_response(body: dict) -> dict:
     text = body["messages"][-1]["content"]
     found = _NUMBERS.search(text)
@@ -35,8 +74,14 @@ def chat_response(body: dict) -> dict:
     offsets = [(0, 0, 1, -1)[zlib.crc32(f"{text}|{i}".encode()) % 4] for i in range(n)]
     choices = [{"index": i, "message": {"role": "assistant", "content": f"<answer>{right + offsets[i]}</answer>"},
                 "finish_reason": "stop"} for i in range(n)]
-    return {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
-            "choices": choices, "usage": {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}}
+    usage = {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}
+    answer = {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
+              "choices": choices, "usage": usage}
+    if TOKEN_IDS is not None and body.get("return_token_ids"):
+        answer["prompt_token_ids"] = TOKEN_IDS.prompt(body["messages"])
+        for choice in choices:
+            choice["token_ids"] = TOKEN_IDS.answer(choice["message"]["content"])
+    return answer
 
 
 async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -71,7 +116,10 @@ async def serve(port: int, parent: int) -> None:
             await asyncio.sleep(1)
 
 
-def _worker(port: int, parent: int) -> None:
+def _worker(port: int, parent: int, tokenizer: str | None) -> None:
+    global TOKEN_IDS
+    if tokenizer:
+        TOKEN_IDS = TokenIds(tokenizer)
     asyncio.run(serve(port, parent))
 
 
@@ -86,11 +134,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    parser.add_argument("--tokenizer", help="answer `return_token_ids` requests with ids from this tokenizer")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _stop)
     for _ in range(args.workers - 1):
-        multiprocessing.Process(target=_worker, args=(args.port, os.getpid()), daemon=True).start()
-    asyncio.run(serve(args.port, os.getppid()))
+        multiprocessing.Process(target=_worker, args=(args.port, os.getpid(), args.tokenizer), daemon=True).start()
+    _worker(args.port, os.getppid(), args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ together and split the groups between them:
 - `httpx`: one AsyncClient per 8 connections (one big httpx pool degrades with
   many requests in flight, see bench/RESULTS.md "Client overhead").
 
+`--return-token-ids` asks for the token ids as vLLM's chat API takes it (the
+answer is then larger: prompt and choice ids are parsed too).
+
 Stdlib-only at import so any interpreter can run it; prints one JSON line:
 
     python bench/datagen/raw_client.py --url http://127.0.0.1:31500/v1 --groups 2000 --kind sockets --procs 2
@@ -27,10 +30,14 @@ import time
 from urllib.parse import urlsplit
 
 
+EXTRA: dict = {}
+"""Fields added to every request body (`{"return_token_ids": True}` with --return-token-ids)."""
+
+
 def body(index: int, group_size: int) -> bytes:
     prompt = f"Compute {10 + index % 90}+{20 + index % 70}. Put the answer in <answer></answer>."
     return json.dumps({"model": "m", "n": group_size, "max_tokens": 16,
-                       "messages": [{"role": "user", "content": prompt}]}).encode()
+                       "messages": [{"role": "user", "content": prompt}], **EXTRA}).encode()
 
 
 async def _workers(connections: list, count: int, call) -> int:
@@ -147,7 +154,8 @@ def run(url: str, kind: str, groups: int, group_size: int, concurrency: int = 64
     else:
         share = [groups // procs + (1 if i < groups % procs else 0) for i in range(procs)]
         children = [subprocess.Popen([python, __file__, "--child", "--url", url, "--kind", kind, "--groups", str(n),
-                                      "--group-size", str(group_size), "--concurrency", str(concurrency)],
+                                      "--group-size", str(group_size), "--concurrency", str(concurrency),
+                                      *(["--return-token-ids"] if EXTRA else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in share]
         for child in children:  # each says "ready" once its client is built and warm
             assert child.stdout.readline().strip() == "ready"
@@ -190,8 +198,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=64, help="connections per process")
     parser.add_argument("--procs", type=int, default=1)
+    parser.add_argument("--return-token-ids", action="store_true", help="ask for token ids (vLLM's field)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.return_token_ids:
+        EXTRA["return_token_ids"] = True
     if args.child:
         _child(args)
     else:

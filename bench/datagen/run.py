@@ -16,6 +16,13 @@
    that mode runs; the same tokenization work as ours; its HTML report timed
    apart). Ratios are to the raw limit within each round; each flow side is
    called once before the rounds (a worker's start-up is not its rate).
+   With `--server-token-ids` the instant server can also return token ids
+   (vLLM's `return_token_ids`), and two sides are added: the raw client
+   asking for them, and the flow with server_type vllm (which asks, so it
+   tokenizes nothing itself). The raw limit (baseline) stays the client that
+   asks for no ids (the cheaper answer: the stricter limit); Atropos's process
+   mode does not ask for ids either way, so it tokenizes as before. Every flow
+   call, with ids or without, must write the same rows.
 3. End to end on the local CPU policy server (starter policy if built, else a
    tiny random one): rollouts/s and the share of wall time in inference.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,10 +81,12 @@ def tiny_policy() -> Path:
 class InstantServer:
     """bench/datagen/instant_server.py in its own process group, `workers` processes on one port."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, tokenizer: str | Path | None = None) -> None:
+        """With `tokenizer`, requests that ask for `return_token_ids` get ids (see instant_server.py)."""
         self.workers, self.port = workers, free_port()
         self.process = subprocess.Popen([sys.executable, "-m", "bench.datagen.instant_server", "--port",
-                                         str(self.port), "--workers", str(workers)], cwd=REPO)
+                                         str(self.port), "--workers", str(workers),
+                                         *(["--tokenizer", str(tokenizer)] if tokenizer else [])], cwd=REPO)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         wait_up(f"{self.base_url}/models")
 
@@ -126,9 +136,10 @@ RAW_MIN_GROUPS = 10_000
 it noise. A rate over a longer window of the same calls is the same quantity, measured steadily."""
 
 
-def raw_side(best: dict, base_url: str, groups: int, group_size: int) -> float:
+def raw_side(best: dict, base_url: str, groups: int, group_size: int, token_ids: bool = False) -> float:
     done = subprocess.run([best["python"], raw_client.__file__, "--url", base_url, "--kind", best["kind"],
-                           "--groups", str(groups), "--group-size", str(group_size), "--procs", str(best["procs"])],
+                           "--groups", str(groups), "--group-size", str(group_size), "--procs", str(best["procs"]),
+                           *(["--return-token-ids"] if token_ids else [])],
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["groups_per_s"]
 
@@ -138,7 +149,7 @@ ROWS_WRITTEN: list[dict] = []
 
 
 def factory_flow(base_url: str, groups: int, group_size: int, tokenizer: Path, store: Path, side: str = "",
-                 **datagen) -> dict:
+                 server_type: str = "openai", **datagen) -> dict:
     """One flow call into a fresh store under one run id, so every call's rows can be compared by content hash."""
     from bench.datagen.stages import content_hash
     from factory.store import ShardStore
@@ -149,7 +160,7 @@ def factory_flow(base_url: str, groups: int, group_size: int, tokenizer: Path, s
     summary = intern_bootcamp_datagen(
         env={"task_name": "arithmetic", "difficulties": [1], "group_size": group_size, "total_items": groups,
              "max_tokens": 16, "tokenizer_name": str(tokenizer), "ensure_scores_are_not_same": False},
-        openai={"base_url": base_url, "server_type": "openai", "model_name": "m", "num_max_requests_at_once": 64},
+        openai={"base_url": base_url, "server_type": server_type, "model_name": "m", "num_max_requests_at_once": 64},
         datagen={"store_root": str(root), "run_id": "bench", "chunk_items": max(groups // 4, 1),
                  "max_in_flight": 64, **datagen},
     )
@@ -200,9 +211,11 @@ def end_to_end(groups: int, group_size: int, store: Path) -> dict:
 
 
 INLINE, PROCESSES = "factory flow, inline scoring", "factory flow, scorer processes"
+INLINE_IDS, RAW_IDS = "factory flow, inline scoring, server token ids", "raw client asking for token ids"
 
 
-def stage_profile(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: Path, work: Path) -> dict:
+def stage_profile(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: Path, work: Path,
+                  server_type: str = "openai") -> dict:
     """CPU seconds per stage of one plain worker over the same groups (the flow's functions without Prefect)."""
     from bench.datagen import stages
 
@@ -210,14 +223,15 @@ def stage_profile(base_url: str, groups: int, group_size: int, chunk_items: int,
     undo = stages.patch_stages(clock)
     try:
         worker = stages.plain_worker(base_url, groups, group_size, chunk_items, str(tokenizer),
-                                     work / f"stages-{time.time_ns()}", clock)
+                                     work / f"stages-{time.time_ns()}", clock, server_type)
     finally:
         for owner, name, original in undo:
             setattr(owner, name, original)
     return {"stages": stages.shares(clock), "process_cpu_s": worker["process_cpu_s"]}
 
 
-def print_stages(stage_cpu: dict, result: harness.Comparison, groups: int) -> None:
+def print_stages(stage_cpu: dict, result: harness.Comparison, groups: int, flow_side: str = INLINE,
+                 title: str = "") -> None:
     """Each stage's share of a worker's CPU, and what the flow adds on top (Prefect tasks, stats, artifacts)."""
     from bench.datagen.stages import STAGES
 
@@ -226,11 +240,12 @@ def print_stages(stage_cpu: dict, result: harness.Comparison, groups: int) -> No
     rows = [(stage, f"{100 * cpu[stage] / total:.1f}%", f"{1e6 * cpu[stage] / groups:.0f}") for stage in STAGES]
     plain = 1e6 * stage_cpu["process_cpu_s"] / groups
     rows.append(("whole plain worker (process CPU)", "", f"{plain:.0f}"))
-    flow = result.median(INLINE, "process CPU us/group")
+    flow = result.median(flow_side, "process CPU us/group")
     rows.append(("flow, inline scoring (process CPU, median)", f"orchestration ~{100 * max(0.0, 1 - plain / flow):.0f}%",
                  f"{flow:.0f}"))
     harness.print_table(["stage", "share", "CPU us/group"], rows,
-                        title="one worker's CPU by stage (bench.datagen.stages; orchestration = 1 - plain / flow)")
+                        title=f"one worker's CPU by stage{title} (bench.datagen.stages; orchestration = 1 - plain "
+                              "/ flow)")
 
 
 def print_rows_written(groups: int) -> bool:
@@ -250,17 +265,24 @@ def print_rounds(result: harness.Comparison) -> None:
     """The issue's ratios round by round: the flow (inline scoring) to the raw loop and to Atropos's process mode."""
     atropos = "atroposlib 0.4.0 process mode"
     have_atropos = atropos in result.sides
+    flows = [side for side in (INLINE, INLINE_IDS) if side in result.sides]
     rows = []
     for i, raw in enumerate(result.values[result.baseline]["groups/s"]):
-        flow, pipeline = (result.values[INLINE][m][i] for m in ("groups/s", "groups/s, pipeline only"))
-        row = [i, f"{raw:.0f}", f"{flow:.0f}", f"{flow / raw:.3f}x", f"{pipeline:.0f}", f"{pipeline / raw:.3f}x"]
-        if have_atropos:
-            theirs = result.values[atropos]["groups/s, pipeline only"][i]
-            row += [f"{theirs:.1f}", f"{pipeline / theirs:.2f}x"]
-        rows.append(row)
-    harness.print_table(["round", "raw groups/s", "flow groups/s (whole call)", "flow/raw", "flow pipeline groups/s",
-                         "pipeline/raw", *(["Atropos loop groups/s", "flow pipeline/Atropos"] if have_atropos else [])],
-                        rows, title="per round: factory flow (inline scoring) vs the raw loop (1 process) and Atropos")
+        for side in flows:
+            flow, pipeline = (result.values[side][m][i] for m in ("groups/s", "groups/s, pipeline only"))
+            row = [i, "server ids" if side == INLINE_IDS else "no ids", f"{raw:.0f}", f"{flow:.0f}",
+                   f"{flow / raw:.3f}x", f"{pipeline:.0f}", f"{pipeline / raw:.3f}x"]
+            if have_atropos:
+                theirs = result.values[atropos]["groups/s, pipeline only"][i]
+                whole = result.values[atropos]["groups/s, whole process (report excluded)"][i]
+                row += [f"{theirs:.1f}", f"{pipeline / theirs:.2f}x", f"{flow / whole:.2f}x"]
+            rows.append(row)
+    harness.print_table(["round", "flow tokens", "raw groups/s", "flow groups/s (whole call)", "flow/raw",
+                         "flow pipeline groups/s", "pipeline/raw",
+                         *(["Atropos loop groups/s", "flow pipeline/Atropos loop",
+                            "flow whole call/Atropos whole process"] if have_atropos else [])],
+                        rows, title="per round: factory flow (inline scoring) vs the raw loop (1 process, no ids "
+                                    "asked) and Atropos (no ids asked)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--e2e-groups", type=int, default=None,
                         help="problems for the end-to-end part (default 64; 0 skips it, as --smoke does)")
     parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's process mode")
+    parser.add_argument("--server-token-ids", action="store_true",
+                        help="add the raw client and the flow asking the server for token ids (vLLM's "
+                             "return_token_ids)")
     harness.add_bench_args(parser)
     args = parser.parse_args(argv)
     if args.e2e_groups is None:
@@ -291,31 +316,42 @@ def main(argv: list[str] | None = None) -> None:
     phase("probing the raw limit")
     probe_rows, best = probe_raw_limit(max(args.groups, 200 if args.smoke else 2000), args.group_size, args.smoke)
     phase("Prefect server")
-    with harness.prefect_server(work / "prefect"), InstantServer(best["server_workers"]) as server:
-        tokenizer = tiny_policy()
-        g, n, url = args.groups, args.group_size, server.base_url
-        raw_groups = g if args.smoke else max(g, RAW_MIN_GROUPS)
-        sides = [harness.Side(f"raw limit ({best['kind']}, {best['procs']} proc)",
-                              lambda: raw_side(best, url, raw_groups, n)),
-                 harness.Side(INLINE, lambda: factory_flow(url, g, n, tokenizer, work / "store", "inline",
-                                                           score_mode="inline")),
-                 harness.Side(PROCESSES, lambda: factory_flow(url, g, n, tokenizer, work / "store", "processes",
-                                                              score_mode="process"))]
-        if atropos is not None:
-            sides.append(harness.Side("atroposlib 0.4.0 process mode",
-                                      lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
-        phase("warm-up: one flow call per scoring mode (imports, tokenizer, Prefect engine), not timed")
-        for side in sides[1:3]:  # a datagen worker is long-lived: round 0 would otherwise time its start-up
-            side.run()
-        ROWS_WRITTEN.clear()
-        phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
-        result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
-                                 label=f"{g} groups of {n}, instant server x{best['server_workers']}")
-        phase("stage profile of one worker (bench.datagen.stages)")
-        stage_cpu = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work)
-        if args.e2e_groups:
-            phase("end to end on the local policy server")
-            e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
+    tokenizer = tiny_policy()
+    try:
+        with harness.prefect_server(work / "prefect"), InstantServer(
+                best["server_workers"], tokenizer=tokenizer if args.server_token_ids else None) as server:
+            g, n, url = args.groups, args.group_size, server.base_url
+            raw_groups = g if args.smoke else max(g, RAW_MIN_GROUPS)
+            sides = [harness.Side(f"raw limit ({best['kind']}, {best['procs']} proc)",
+                                  lambda: raw_side(best, url, raw_groups, n)),
+                     harness.Side(INLINE, lambda: factory_flow(url, g, n, tokenizer, work / "store", "inline",
+                                                               score_mode="inline")),
+                     harness.Side(PROCESSES, lambda: factory_flow(url, g, n, tokenizer, work / "store", "processes",
+                                                                  score_mode="process"))]
+            if args.server_token_ids:
+                sides[1:1] = [harness.Side(RAW_IDS, lambda: raw_side(best, url, raw_groups, n, token_ids=True))]
+                sides.insert(3, harness.Side(INLINE_IDS, lambda: factory_flow(
+                    url, g, n, tokenizer, work / "store", "inline, ids", server_type="vllm", score_mode="inline")))
+            if atropos is not None:
+                sides.append(harness.Side("atroposlib 0.4.0 process mode",
+                                          lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
+            phase("warm-up: one flow call per scoring mode (imports, tokenizer, Prefect engine), not timed")
+            for side in sides:  # a datagen worker is long-lived: round 0 would otherwise time its start-up
+                if side.name.startswith("factory flow"):
+                    side.run()
+            ROWS_WRITTEN.clear()
+            phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
+            result = harness.compare("datagen", sides, pairs=pairs, metric="groups/s", json_out=json_out,
+                                     label=f"{g} groups of {n}, instant server x{best['server_workers']}")
+            phase("stage profile of one worker (bench.datagen.stages)")
+            stage_cpu = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work)
+            if args.server_token_ids:
+                stage_ids = stage_profile(url, g, n, max(g // 4, 1), tokenizer, work, server_type="vllm")
+            if args.e2e_groups:
+                phase("end to end on the local policy server")
+                e2e = end_to_end(args.e2e_groups, args.group_size, work / "store")
+    finally:  # the stores, Atropos's files and the Prefect home (the rows were hashed already)
+        shutil.rmtree(work, ignore_errors=True)
     phase("done")
 
     harness.print_table(["server workers", "client", "processes", "groups/s"],
@@ -325,13 +361,15 @@ def main(argv: list[str] | None = None) -> None:
     harness.print_comparison(result, title=f"datagen throughput, {args.groups} groups of {args.group_size}, "
                                            f"instant server with {best['server_workers']} worker(s)",
                              json_out=json_out)
-    print_stages(stage_cpu, result, g)
+    print_stages(stage_cpu, result, g, title=", server returns no ids")
+    if args.server_token_ids:
+        print_stages(stage_ids, result, g, INLINE_IDS, title=", server returns token ids")
     rows_ok = print_rows_written(g)
     atropos_side = "atroposlib 0.4.0 process mode"
     if atropos_side in result.sides:
         metric = "groups/s, pipeline only"
         rows = []
-        for side in (INLINE, PROCESSES):
+        for side in (side for side in (INLINE, INLINE_IDS, PROCESSES) if side in result.sides):
             low, high = result.spread(side, metric, versus=atropos_side)
             rows.append((side, f"{result.median_ratio(side, metric, versus=atropos_side):.2f}x", f"{low:.2f}-{high:.2f}x"))
         harness.print_table(["side (pipeline only)", "vs Atropos process mode (median)", "min-max"], rows,

@@ -19,6 +19,12 @@ CPU clock is what a stage costs whatever else runs. Stages:
 - score, group, Arrow build, shard write: as named (shard write = the commit
   minus the Arrow build).
 
+`--server-token-ids`: the instant server returns token ids when asked (as
+vLLM's `return_token_ids` does) and the worker's client asks (server_type
+vllm), so completions and prompts are not tokenized in the worker; without it
+(the default) the server returns text only and the worker tokenizes. Both
+write the same rows (same content hash).
+
 `--flow` also runs the same groups through the real flow (Prefect server,
 task runs, stats files, artifacts) and takes its process CPU per group against
 the plain worker's: the difference is the orchestration's share ("Prefect task
@@ -101,7 +107,7 @@ def patch_stages(clock: StageClock) -> list[tuple[Any, str, Any]]:
 
 
 def plain_worker(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: str, store_root: Path,
-                 clock: StageClock) -> dict[str, Any]:
+                 clock: StageClock, server_type: str = "openai") -> dict[str, Any]:
     """The flow's plain functions over `groups` items, chunk by chunk in this thread; returns counts and CPU."""
     from environments.base import EnvSpec, load_env
     from factory.inference.client import InferenceClient, InferenceConfig
@@ -116,7 +122,7 @@ def plain_worker(base_url: str, groups: int, group_size: int, chunk_items: int, 
         "task_name": "arithmetic", "difficulties": [1], "group_size": group_size, "total_items": groups,
         "max_tokens": 16, "tokenizer_name": tokenizer, "ensure_scores_are_not_same": False})
     env = load_env(spec)
-    config = InferenceConfig(base_url=base_url, server_type="openai", model_name="m", num_max_requests_at_once=64)
+    config = InferenceConfig(base_url=base_url, server_type=server_type, model_name="m", num_max_requests_at_once=64)
     tok = load_tokenizer(tokenizer)
     try:  # as generate_chunk does once per worker process, after its environment and tokenizer are loaded
         from factory.datagen.heap import freeze_startup_heap
@@ -171,7 +177,8 @@ def shares(clock: StageClock) -> dict[str, float]:
     return {stage: cpu.get(stage, 0.0) for stage in STAGES}
 
 
-def flow_cpu(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: str, store: Path) -> float:
+def flow_cpu(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: str, store: Path,
+             server_type: str = "openai") -> float:
     """Process CPU seconds of one whole flow call over the same groups (Prefect server in its own process)."""
     from flows.datagen import intern_bootcamp_datagen
 
@@ -179,7 +186,7 @@ def flow_cpu(base_url: str, groups: int, group_size: int, chunk_items: int, toke
     intern_bootcamp_datagen(
         env={"task_name": "arithmetic", "difficulties": [1], "group_size": group_size, "total_items": groups,
              "max_tokens": 16, "tokenizer_name": tokenizer, "ensure_scores_are_not_same": False},
-        openai={"base_url": base_url, "server_type": "openai", "model_name": "m", "num_max_requests_at_once": 64},
+        openai={"base_url": base_url, "server_type": server_type, "model_name": "m", "num_max_requests_at_once": 64},
         datagen={"store_root": str(store), "run_id": f"profile-flow-{time.time_ns()}", "chunk_items": chunk_items,
                  "max_in_flight": 64, "score_mode": "inline"},
     )
@@ -193,7 +200,8 @@ def profile(base_url: str, args: argparse.Namespace, work: Path, tokenizer: str)
     try:
         if profiler is not None:
             profiler.enable()
-        worker = plain_worker(base_url, args.groups, args.group_size, args.chunk_items, tokenizer, work / "plain", clock)
+        worker = plain_worker(base_url, args.groups, args.group_size, args.chunk_items, tokenizer, work / "plain",
+                              clock, server_type(args))
         if profiler is not None:
             profiler.disable()
     finally:
@@ -208,35 +216,49 @@ def profile(base_url: str, args: argparse.Namespace, work: Path, tokenizer: str)
     return result
 
 
+def server_type(args: argparse.Namespace) -> str:
+    """The client's server_type: vllm asks chat servers for token ids (`return_token_ids`), openai does not."""
+    return "vllm" if args.server_token_ids else "openai"
+
+
 def versus(args: argparse.Namespace) -> None:
     """A (another checkout's tasks/ and factory/) and B (this one) in alternating child processes; per round the
-    ratio of CPU per group, and the rows written compared by count and content hash."""
+    ratio of CPU per group, and the rows written compared by count and content hash. Both sides call one instant
+    server started here (with --server-token-ids it returns ids to whichever side asks for them)."""
     import subprocess
+
+    from bench.datagen.run import InstantServer, tiny_policy
 
     here = Path(__file__).resolve().parents[2]
     sides = {"A": args.versus.resolve(), "B": here}
     rounds = []
+    tokenizer = str(tiny_policy())
+    server = InstantServer(1, tokenizer=tokenizer if args.server_token_ids else None)
     for round_index in range(args.pairs):
         got = {}
         for name, checkout in sides.items():
             env = {**os.environ, "PYTHONPATH": str(checkout)}
             done = subprocess.run([sys.executable, __file__, "--groups", str(args.groups), "--group-size",
                                    str(args.group_size), "--chunk-items", str(args.chunk_items), "--json-out",
-                                   os.devnull, "--record-line"], env=env, capture_output=True, text=True, cwd=checkout)
+                                   os.devnull, "--record-line", "--url", server.base_url, "--tokenizer", tokenizer,
+                                   *(["--server-token-ids"] if args.server_token_ids else [])],
+                                  env=env, capture_output=True, text=True, cwd=checkout)
             if done.returncode:
+                server.stop()
                 raise RuntimeError(f"side {name} failed: {done.stderr[-2000:]}")
             got[name] = json.loads(done.stdout.strip().splitlines()[-1])
         a, b = got["A"], got["B"]
         same = a["worker"]["rows"] == b["worker"]["rows"] and a["worker"]["content_sha256"] == b["worker"]["content_sha256"]
-        rounds.append({"round": round_index, "A": a, "B": b, "same_rows": same,
+        rounds.append({"round": round_index, "A": a, "B": b, "same_rows": same, "load": os.getloadavg()[0],
                        "cpu_ratio_A_over_B": a["worker"]["process_cpu_s"] / b["worker"]["process_cpu_s"]})
+    server.stop()
     rows = []
     for r in rounds:
         rows.append((r["round"], f"{r['A']['worker']['process_cpu_s']:.2f}", f"{r['B']['worker']['process_cpu_s']:.2f}",
                      f"{r['cpu_ratio_A_over_B']:.2f}x", r["B"]["worker"]["rows"],
-                     "yes" if r["same_rows"] else "NO", r["B"]["worker"]["content_sha256"][:12]))
+                     "yes" if r["same_rows"] else "NO", r["B"]["worker"]["content_sha256"][:12], f"{r['load']:.1f}"))
     harness.print_table(["round", "A process CPU s", "B process CPU s", "A/B (B's speed-up)", "rows", "same rows",
-                         "content sha256"], rows,
+                         "content sha256", "load"], rows,
                         title=f"before (A: {args.versus}) / after (B: this checkout), {args.groups} groups of "
                               f"{args.group_size}, A,B interleaved")
     for name in ("A", "B"):
@@ -273,20 +295,26 @@ def versus_raw(args: argparse.Namespace) -> None:
     interleaved per round: raw at `--groups` and at 0 groups (its start-up), then the worker."""
     import subprocess
 
-    from bench.datagen.run import InstantServer
+    from bench.datagen.run import InstantServer, tiny_policy
 
     here = Path(__file__).resolve().parents[2]
+    tokenizer = str(tiny_policy())
     rounds = []
     for round_index in range(args.pairs):
-        with InstantServer(1) as server:
+        # The raw client asks for no ids (the cheaper answer: the stricter limit); with --server-token-ids the
+        # worker asks the same server for them.
+        with InstantServer(1, tokenizer=tokenizer if args.server_token_ids else None) as server:
             raw = raw_cpu(server.base_url, args.groups, args.group_size)
             raw_start = raw_cpu(server.base_url, 0, args.group_size)
-        done = subprocess.run([sys.executable, __file__, "--groups", str(args.groups), "--group-size",
-                               str(args.group_size), "--chunk-items", str(args.chunk_items), "--json-out", os.devnull,
-                               "--record-line"], env={**os.environ, "PYTHONPATH": str(here)}, capture_output=True,
-                              text=True, cwd=here, check=True)
+            done = subprocess.run([sys.executable, __file__, "--groups", str(args.groups), "--group-size",
+                                   str(args.group_size), "--chunk-items", str(args.chunk_items), "--json-out",
+                                   os.devnull, "--record-line", "--url", server.base_url, "--tokenizer", tokenizer,
+                                   *(["--server-token-ids"] if args.server_token_ids else [])],
+                                  env={**os.environ, "PYTHONPATH": str(here)}, capture_output=True, text=True, cwd=here,
+                                  check=True)
         worker = json.loads(done.stdout.strip().splitlines()[-1])
-        rounds.append({"round": round_index, "raw_cpu_s": raw, "raw_start_cpu_s": raw_start,
+        rounds.append({"round": round_index, "server_token_ids": args.server_token_ids, "raw_cpu_s": raw,
+                       "raw_start_cpu_s": raw_start,
                        "worker_cpu_s": worker["worker"]["process_cpu_s"], "stage_cpu_s": worker["stage_cpu_s"],
                        "rows": worker["worker"]["rows"], "content_sha256": worker["worker"]["content_sha256"],
                        "load": os.getloadavg()[0]})
@@ -298,8 +326,9 @@ def versus_raw(args: argparse.Namespace) -> None:
           f"{us * r['worker_cpu_s']:.0f}", f"{r['raw_cpu_s'] / r['worker_cpu_s']:.2f}x",
           f"{(r['raw_cpu_s'] - r['raw_start_cpu_s']) / r['worker_cpu_s']:.2f}x", r["rows"], r["content_sha256"][:12],
           f"{r['load']:.1f}") for r in rounds],
-        title=f"one datagen worker against the raw sockets client, CPU per group, {args.groups} groups of "
-              f"{args.group_size} (target: raw/worker >= 0.25x)")
+        title=f"one datagen worker ({'server returns token ids' if args.server_token_ids else 'tokenizes locally'}) "
+              f"against the raw sockets client, CPU per group, {args.groups} groups of {args.group_size} "
+              f"(target: raw/worker >= 0.25x)")
     with args.json_out.open("a") as out:
         for r in rounds:
             out.write(json.dumps({"bench": "datagen-profile-versus-raw", "time": time.time(),
@@ -322,7 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=3, help="A,B rounds for --versus, rounds for --versus-raw")
     parser.add_argument("--versus-raw", action="store_true",
                         help="CPU per group of this checkout's worker against the raw sockets client, interleaved")
+    parser.add_argument("--server-token-ids", action="store_true",
+                        help="the server returns token ids and the worker asks for them (vLLM's return_token_ids)")
     parser.add_argument("--record-line", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)  # --versus: the parent's instant server
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.versus is not None:
         return versus(args)
@@ -333,15 +366,19 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="bench-datagen-profile-"))
-    tokenizer = str(tiny_policy())
-    with InstantServer(1) as server:
-        result = profile(server.base_url, args, work, tokenizer)
-        if args.flow:
-            with harness.prefect_server(work / "prefect"):
-                flow_cpu(server.base_url, min(args.groups, 64), args.group_size, args.chunk_items, tokenizer,
-                         work / "warm")  # imports, first task runs
-                result["flow_process_cpu_s"] = flow_cpu(server.base_url, args.groups, args.group_size,
-                                                        args.chunk_items, tokenizer, work / "flow")
+    tokenizer = args.tokenizer or str(tiny_policy())
+    if args.url:
+        result = profile(args.url, args, work, tokenizer)
+    else:
+        with InstantServer(1, tokenizer=tokenizer if args.server_token_ids else None) as server:
+            result = profile(server.base_url, args, work, tokenizer)
+            if args.flow:
+                with harness.prefect_server(work / "prefect"):
+                    flow_cpu(server.base_url, min(args.groups, 64), args.group_size, args.chunk_items, tokenizer,
+                             work / "warm", server_type(args))  # imports, first task runs
+                    result["flow_process_cpu_s"] = flow_cpu(server.base_url, args.groups, args.group_size,
+                                                            args.chunk_items, tokenizer, work / "flow",
+                                                            server_type(args))
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)  # the stores of this run (the rows were hashed already)
@@ -367,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         print(result["cprofile"])
     record = {"bench": "datagen-profile", "time": time.time(), "command": harness.command_line(),
               "machine": harness.machine(), "groups": args.groups, "group_size": args.group_size,
-              "chunk_items": args.chunk_items, "stage_cpu_s": stages, "worker": worker,
+              "chunk_items": args.chunk_items, "server_token_ids": args.server_token_ids, "stage_cpu_s": stages,
+              "worker": worker,
               "flow_process_cpu_s": result.get("flow_process_cpu_s")}
     if args.record_line:
         print(json.dumps(record))

@@ -51,6 +51,10 @@ class InferenceConfig(FactoryConfig):
     eject_after_failures: int = Field(3, ge=1, description="Consecutive failures that take an endpoint out.")
     probe_interval_s: float = Field(1.0, gt=0, description="How often an endpoint out of rotation is probed.")
     request_logprobs: bool = Field(True, description="Ask chat/completions endpoints for per-token logprobs.")
+    request_token_ids: bool | None = Field(
+        None, description="Ask chat/completions endpoints for the prompt's and each choice's token ids (vLLM's "
+        "`return_token_ids`), so completions are not tokenized again here; None: when server_type is vllm "
+        "(servers that do not know the field may refuse it).")
     health_check_on_start: bool = Field(True, description="Probe every endpoint when the client opens.")
     weight_update_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for all endpoints to load weights.")
     # Atropos's APIServerConfig names, so an Atropos `openai:` section loads unchanged.
@@ -74,6 +78,11 @@ class InferenceConfig(FactoryConfig):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"endpoint {url!r} must start with http:// or https://")
         return value
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Whether chat/completions requests ask for token ids (`request_token_ids`, by default vLLM only)."""
+        return self.server_type == "vllm" if self.request_token_ids is None else self.request_token_ids
 
     @property
     def urls(self) -> list[str]:
@@ -158,6 +167,8 @@ class InferenceClient:
             body = {"model": self.config.model_name, "messages": messages, "n": k, **s.openai_fields()}
             if self.config.request_logprobs:
                 body["logprobs"] = True
+            if self.config.wants_token_ids:
+                body["return_token_ids"] = True
             return await self._request("/v1/chat/completions", body, parse_chat)
 
         return await self._split_n(n, sampling, one)
@@ -172,6 +183,8 @@ class InferenceClient:
         body = {"model": self.config.model_name, "prompt": prompt, "n": k, **s.openai_fields()}
         if self.config.request_logprobs:
             body["logprobs"] = 1
+        if self.config.wants_token_ids:
+            body["return_token_ids"] = True
         prompt_ids = prompt if isinstance(prompt, list) else None
         return await self._request("/v1/completions", body, lambda data, ep: parse_completions(data, prompt_ids, ep))
 

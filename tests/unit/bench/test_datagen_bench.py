@@ -55,8 +55,62 @@ def test_the_per_round_table_gives_the_flow_to_raw_and_to_atropos_ratios(capsys)
     result = harness.Comparison("datagen", "raw", ["raw", INLINE, "atroposlib 0.4.0 process mode"], values={
         "raw": {"groups/s": [2000.0, 1000.0]},
         INLINE: {"groups/s": [500.0, 200.0], "groups/s, pipeline only": [600.0, 300.0]},
-        "atroposlib 0.4.0 process mode": {"groups/s, pipeline only": [40.0, 30.0]}})
+        "atroposlib 0.4.0 process mode": {"groups/s, pipeline only": [40.0, 30.0],
+                                          "groups/s, whole process (report excluded)": [25.0, 20.0]}})
     print_rounds(result)
     out = capsys.readouterr().out
     assert "0.250x" in out and "0.200x" in out  # whole call / raw, per round
     assert "0.300x" in out and "15.00x" in out and "10.00x" in out  # pipeline / raw, pipeline / Atropos
+    assert "20.00x" in out  # whole call / Atropos whole process
+    assert "server ids" not in out
+
+
+def test_the_per_round_table_shows_the_flow_with_and_without_server_ids(capsys):
+    from bench import harness
+    from bench.datagen.run import INLINE, INLINE_IDS, print_rounds
+
+    result = harness.Comparison("datagen", "raw", ["raw", INLINE, INLINE_IDS], values={
+        "raw": {"groups/s": [2000.0]},
+        INLINE: {"groups/s": [500.0], "groups/s, pipeline only": [600.0]},
+        INLINE_IDS: {"groups/s": [700.0], "groups/s, pipeline only": [900.0]}})
+    print_rounds(result)
+    out = capsys.readouterr().out
+    assert "| no ids |" in out and "| server ids |" in out
+    assert "0.300x" in out and "0.450x" in out  # each side's pipeline / the same (no-ids) raw limit
+
+
+def test_instant_server_returns_token_ids_only_when_asked():
+    answer = instant_server.chat_response({"n": 2, "messages": [{"role": "user", "content": "Compute 1+2."}],
+                                           "return_token_ids": True})
+    assert "prompt_token_ids" not in answer  # a server started without a tokenizer has none to give
+
+
+def test_instant_server_token_ids_are_the_ids_the_worker_computes_itself(tmp_path, monkeypatch):
+    """The ids the server returns (vLLM's shape) are what ClientSampler makes from the text, so a flow that asks for
+    them writes the same rows as one that tokenizes locally."""
+    from factory.inference.endpoints import Endpoint
+    from factory.inference.parse import parse_chat
+    from factory.inference.tiny_model import make_tiny_policy
+    from tasks.generate import ClientSampler, load_tokenizer
+
+    policy = make_tiny_policy(tmp_path / "policy")
+    monkeypatch.setattr(instant_server, "TOKEN_IDS", instant_server.TokenIds(str(policy)))
+    messages = [{"role": "user", "content": "Compute 12+30. Put the answer in <answer></answer>."}]
+    body = {"n": 4, "messages": messages}
+    with_ids = instant_server.chat_response({**body, "return_token_ids": True})
+    assert "prompt_token_ids" not in instant_server.chat_response(body)
+    assert all(choice["token_ids"] for choice in with_ids["choices"]) and with_ids["prompt_token_ids"]
+    ep = Endpoint("http://x/v1")
+    sampler = ClientSampler(None, load_tokenizer(str(policy)), "chat")
+    local = sampler._tokenize_all(messages, parse_chat(instant_server.chat_response(body), ep))
+    served = sampler._tokenize_all(messages, parse_chat(with_ids, ep))
+    assert [(c.prompt_token_ids, c.output_token_ids) for c in served] == \
+        [(c.prompt_token_ids, c.output_token_ids) for c in local]
+
+
+def test_raw_client_asks_for_token_ids_with_the_flag(monkeypatch):
+    import json
+
+    assert "return_token_ids" not in json.loads(raw_client.body(3, 8))
+    monkeypatch.setitem(raw_client.EXTRA, "return_token_ids", True)
+    assert json.loads(raw_client.body(3, 8))["return_token_ids"] is True
