@@ -146,6 +146,22 @@ def _repeated(text: str, count: int) -> pa.Array:
     return pa.Array.from_buffers(pa.string(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data * count)])
 
 
+def _same_order(names: pa.Array, members: pa.Array) -> np.ndarray | None:
+    """Where `names` are, in order, a stretch of `members` (shards indexed as they were committed, compacted in
+    that order): their positions there, found by one compare of the stretch instead of a hash lookup per name
+    (0.3 s at a million); else None."""
+    import pyarrow.compute as pc
+
+    if not len(names) or len(names) > len(members):
+        return None
+    start = pc.index(members, names[0]).as_py()
+    if start < 0 or start + len(names) > len(members):
+        return None
+    if not pc.all(pc.equal(names, members.slice(start, len(names)))).as_py():
+        return None
+    return np.arange(start, start + len(names), dtype=np.int64)
+
+
 class Block:
     """Consecutive members of one compacted file, rows `first ..` of it one member after the other, as columns."""
 
@@ -429,7 +445,9 @@ class Records:
         if blocks and len(names):
             members = pa.chunked_array([chunk for b in blocks for chunk in b.members.column("shard").chunks],
                                        pa.string()).combine_chunks()
-            at = int64_values(pc.index_in(names, value_set=members), null=-1)
+            at = _same_order(names, members)
+            if at is None:
+                at = int64_values(pc.index_in(names, value_set=members), null=-1)
             hit = np.flatnonzero(at >= 0)
             block_files = np.array([files.setdefault(b.file, len(files)) for b in blocks], dtype=np.int64)
             codes[hit] = np.repeat(block_files, [len(b) for b in blocks])[at[hit]]

@@ -37,10 +37,10 @@ def _from_log(root: Path) -> ShardStore:
     return store
 
 
-def locate_agrees_with_where(store: ShardStore, names: list[str]) -> None:
+def locate_agrees_with_where(store: ShardStore, names: list[str], others: bool = True) -> None:
     """`Records.locate` (every name at once, as columns) says what `where` says name by name: the merged file and
-    first row, or -1 for a shard in its own file or not committed."""
-    names = names + ["nope.parquet", "w0-99999999.parquet", "w0-00000000.parquet"]
+    first row, or -1 for a shard in its own file or not committed (`others`: names of neither kind added)."""
+    names = names + (["nope.parquet", "w0-99999999.parquet", "w0-00000000.parquet"] if others else [])
     codes, files, firsts = store._read_log("gen").records.locate(column(names, pa.string()))
     for name, code, first in zip(names, codes.tolist(), firsts.tolist()):
         found = store._read_log("gen").records.where(name)
@@ -81,6 +81,10 @@ def test_a_manifest_after_compaction_holds_one_block_per_merged_file(tmp_path):
     assert [type(item) for item in items] == [Block] * len(blocks) + [type(loose[0])]
     _same_answers(fresh, _from_log(tmp_path))
     assert fresh._read_log("gen").records.has_blocks  # reading every answer did not turn blocks into records
+    members = [name for block in blocks for name in block.names()]
+    locate_agrees_with_where(fresh, members, others=False)  # all members in their order: one compare, no lookups
+    locate_agrees_with_where(fresh, members[5:40], others=False)
+    locate_agrees_with_where(fresh, members[::-1], others=False)
 
 
 def test_new_commits_after_the_manifest_keep_the_blocks_and_build_no_member_index(tmp_path):
