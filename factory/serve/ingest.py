@@ -95,6 +95,7 @@ class GroupCommitter:
         linger_s: float = 0.0,
         concurrency: int = 1,
         linger_queued: bool = False,
+        pipeline: bool = False,
     ) -> None:
         self.store, self.run_id, self.producer = store, run_id, producer
         self.on_commit = on_commit
@@ -103,6 +104,9 @@ class GroupCommitter:
         self.linger_s = linger_s
         self.linger_queued = linger_queued
         self.concurrency = max(1, concurrency)
+        self.pipeline = pipeline
+        self._encoding = 0  # commits whose shard is not yet encoded and written (pipeline: the next waits for none)
+        self._answered: asyncio.Future[None] | None = None  # the last commit's: commits answer in the order they started
         self._running: set[asyncio.Task[None]] = set()
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
@@ -191,13 +195,19 @@ class GroupCommitter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending and len(self._running) < self.concurrency:
+            while self._pending and self._may_start():
                 await self._linger()
                 task = asyncio.create_task(self._commit_and_answer(self._take()))
                 self._running.add(task)
                 task.add_done_callback(self._finished)
             # No local of this loop refers to a commit's rows while it waits for the next: those of the last commit
             # (up to max_groups decoded groups, ~15 MiB after a few 64-group posts) stayed alive until another post.
+
+    def _may_start(self) -> bool:
+        """Another commit may start: fewer than `concurrency` are running, or (pipeline) one more than that while
+        none of them is still encoding its shard, only waiting for its fsyncs and commit record."""
+        running = len(self._running)
+        return running < self.concurrency or (self.pipeline and self._encoding == 0 and running <= self.concurrency)
 
     def _take(self) -> list[_Pending]:
         """The pending requests of the next commit, oldest first, up to max_groups groups (at least one request)."""
@@ -213,9 +223,21 @@ class GroupCommitter:
         self._wake.set()  # a writer is free: what piled up meanwhile goes next
 
     async def _commit_and_answer(self, take: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
         groups = pa.Table.from_batches([item.rows for item in take])
+        encoding = [True]
+        self._encoding += 1
+        previous, answered = self._answered, loop.create_future()
+        self._answered = answered
+
+        def written() -> None:  # the commit's thread: the shard is encoded, its fsyncs and record are still to come
+            loop.call_soon_threadsafe(self._written, encoding)
+
         try:
-            record = await self._commit(groups)
+            record = await self._commit(groups, written)
+            self._written(encoding)
+            if previous is not None:  # served and answered in the order the commits started (set in a finally)
+                await asyncio.shield(previous)  # shielded: cancelling this commit does not end the one before's
             result = self.on_commit(record, groups)
             if asyncio.iscoroutine(result):
                 await result
@@ -228,11 +250,24 @@ class GroupCommitter:
                 if not item.done.done():
                     item.done.set_exception(error)
             return
+        finally:
+            self._written(encoding)
+            if not answered.done():
+                answered.set_result(None)
+            if self._answered is answered:
+                self._answered = None
         for item in take:
             if not item.done.done():
                 item.done.set_result(None)
 
-    async def _commit(self, groups: pa.Table) -> CommitRecord:
+    def _written(self, encoding: list[bool]) -> None:
+        """A commit's shard is written (or the commit ended): a pipelined next commit may start."""
+        if encoding[0]:
+            encoding[0] = False
+            self._encoding -= 1
+            self._wake.set()
+
+    async def _commit(self, groups: pa.Table, written: Callable[[], None] | None = None) -> CommitRecord:
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1
@@ -240,7 +275,8 @@ class GroupCommitter:
             existed = self.store.record(self.run_id, name) is not None  # the log's new end only, no copy of every record
             try:
                 record = await asyncio.to_thread(
-                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
+                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups,
+                    on_written=written,
                 )
             except Exception:
                 # The commit log is the truth: a commit whose record is in it is stored, whatever was raised after.
