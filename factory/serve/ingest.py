@@ -28,11 +28,11 @@ groups/s) and not on a saturated machine (0.9-1.0x), where its smaller
 shards cost 5-12% more CPU per group.
 
 With `pipeline` (config commit_pipeline, on by default) one more commit may
-start once every running one has encoded and written its shard: a commit's
-last ~6 ms at one group per request (on this machine's ext4 volume) are the
-shard's and its directory's fsyncs (issued together) and the commit record's
-append and fsync, all waits on the disk, and the next shard is encoded
-meanwhile. Only one shard is encoded at a time, so shards stay as big as with
+start once every running one has encoded and written its shard: the rest of
+a commit is the shard's and its directory's fsyncs (issued together) and the
+commit record's append and fsync, waits on the disk (~6 ms of a ~20 ms
+one-group commit on this machine's ext4 volume while other writers kept it
+busy, ~1 ms when it was idle), and the next shard is encoded meanwhile. Only one shard is encoded at a time, so shards stay as big as with
 one writer. Commits are indexed and answered in the order they started (a
 later one that finishes first waits), and each post still only once its own
 shard is committed (bench/RESULTS.md, issue 29, "Overlapping a commit's fsyncs").
