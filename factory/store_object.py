@@ -49,7 +49,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace as dataclass_replace
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from datetime import datetime, timezone
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -95,7 +95,7 @@ class StoreReader(Protocol):
     def iter_batches(self, run_id: str, *, columns: list[str] | None = None, batch_size: int = ...) -> Iterator[pa.RecordBatch]: ...
     def iter_groups(self, run_id: str, *, validate: bool = False) -> Iterator[ScoredGroup]: ...
     def commit(self, run_id: str, producer: str, chunk: int, groups: Any, *, replace: bool = False,
-               row_group_groups: int = ...) -> CommitRecord: ...
+               row_group_groups: int = ..., on_written: Callable[[], None] | None = None) -> CommitRecord: ...
 
 
 def open_store(root: str | os.PathLike[str]) -> ShardStore | ObjectShardStore:
@@ -232,8 +232,10 @@ class ObjectShardStore:
         *,
         replace: bool = False,
         row_group_groups: int = 256,
+        on_written: Callable[[], None] | None = None,
     ) -> CommitRecord:
-        """Store one chunk exactly once: the shard object under its final name, then its commit record."""
+        """Store one chunk exactly once: the shard object under its final name, then its commit record.
+        `on_written`: called once the shard is encoded, before it is uploaded (see `ShardStore.commit`)."""
         _check_name("producer", producer)
         if replace:
             raise StoreError(f"replacing a committed shard is not supported on object store {self.url}: a reader could "
@@ -250,6 +252,8 @@ class ObjectShardStore:
         sink = pa.BufferOutputStream()
         pq.write_table(table.cast(GROUP_SCHEMA), sink, row_group_size=row_group_groups, write_page_checksum=True, **PARQUET_OPTIONS)
         data = sink.getvalue()
+        if on_written is not None:
+            on_written()
         try:
             with self.fs.open_output_stream(self.shard_path(run_id, name)) as out:  # one PUT: absent or whole
                 out.write(data)

@@ -66,6 +66,13 @@ class ServeConfig(FactoryConfig):
         "one at a time): shorter waits where CPU is idle, but ~1/3 smaller shards and 5-12% more CPU per group "
         "(bench/RESULTS.md, issue 29).",
     )
+    commit_pipeline: bool = Field(
+        True, description="The next commit of posted groups may start encoding its shard as soon as the one before "
+        "has written its bytes, while that one still waits for its fsyncs and commit record (at most one shard "
+        "encoding at a time, one more commit in flight than commit_concurrency). Commits are still answered in the "
+        "order they started, each only once its own shard is committed. false: a commit starts only when a writer "
+        "is free (bench/RESULTS.md, issue 29).",
+    )
     ingest_row_group_groups: int = Field(16, ge=1, description="Groups per Parquet row group in ingest shards (smaller reads per batch).")
     payload_cache_mb: float = Field(
         8.0, ge=0, description="0 turns off the cache of decoded row groups; otherwise the row group of the last "

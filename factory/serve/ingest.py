@@ -26,6 +26,16 @@ one-group posts (bench.serve, 8 clients: ~80% of the ingest's wall time, at
 ~4 groups per shard); a second writer helped where CPU was idle (1.2-1.7x
 groups/s) and not on a saturated machine (0.9-1.0x), where its smaller
 shards cost 5-12% more CPU per group.
+
+With `pipeline` (config commit_pipeline, on by default) one more commit may
+start once every running one has encoded and written its shard: the rest of
+a commit is the shard's and its directory's fsyncs (issued together) and the
+commit record's append and fsync, waits on the disk (~6 ms of a ~20 ms
+one-group commit on this machine's ext4 volume while other writers kept it
+busy, ~1 ms when it was idle), and the next shard is encoded meanwhile. Only one shard is encoded at a time, so shards stay as big as with
+one writer. Commits are indexed and answered in the order they started (a
+later one that finishes first waits), and each post still only once its own
+shard is committed (bench/RESULTS.md, issue 29, "Overlapping a commit's fsyncs").
 """
 
 from __future__ import annotations
@@ -95,6 +105,7 @@ class GroupCommitter:
         linger_s: float = 0.0,
         concurrency: int = 1,
         linger_queued: bool = False,
+        pipeline: bool = False,
     ) -> None:
         self.store, self.run_id, self.producer = store, run_id, producer
         self.on_commit = on_commit
@@ -103,6 +114,9 @@ class GroupCommitter:
         self.linger_s = linger_s
         self.linger_queued = linger_queued
         self.concurrency = max(1, concurrency)
+        self.pipeline = pipeline
+        self._encoding = 0  # commits whose shard is not yet encoded and written (pipeline: the next waits for none)
+        self._answered: asyncio.Future[None] | None = None  # the last commit's: commits answer in the order they started
         self._running: set[asyncio.Task[None]] = set()
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
@@ -191,13 +205,19 @@ class GroupCommitter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending and len(self._running) < self.concurrency:
+            while self._pending and self._may_start():
                 await self._linger()
                 task = asyncio.create_task(self._commit_and_answer(self._take()))
                 self._running.add(task)
                 task.add_done_callback(self._finished)
             # No local of this loop refers to a commit's rows while it waits for the next: those of the last commit
             # (up to max_groups decoded groups, ~15 MiB after a few 64-group posts) stayed alive until another post.
+
+    def _may_start(self) -> bool:
+        """Another commit may start: fewer than `concurrency` are running, or (pipeline) one more than that while
+        none of them is still encoding its shard, only waiting for its fsyncs and commit record."""
+        running = len(self._running)
+        return running < self.concurrency or (self.pipeline and self._encoding == 0 and running <= self.concurrency)
 
     def _take(self) -> list[_Pending]:
         """The pending requests of the next commit, oldest first, up to max_groups groups (at least one request)."""
@@ -213,9 +233,21 @@ class GroupCommitter:
         self._wake.set()  # a writer is free: what piled up meanwhile goes next
 
     async def _commit_and_answer(self, take: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
         groups = pa.Table.from_batches([item.rows for item in take])
+        encoding = [True]
+        self._encoding += 1
+        previous, answered = self._answered, loop.create_future()
+        self._answered = answered
+
+        def written() -> None:  # the commit's thread: the shard is encoded, its fsyncs and record are still to come
+            loop.call_soon_threadsafe(self._written, encoding)
+
         try:
-            record = await self._commit(groups)
+            record = await self._commit(groups, written)
+            self._written(encoding)
+            if previous is not None:  # served and answered in the order the commits started (set in a finally)
+                await asyncio.shield(previous)  # shielded: cancelling this commit does not end the one before's
             result = self.on_commit(record, groups)
             if asyncio.iscoroutine(result):
                 await result
@@ -228,11 +260,24 @@ class GroupCommitter:
                 if not item.done.done():
                     item.done.set_exception(error)
             return
+        finally:
+            self._written(encoding)
+            if not answered.done():
+                answered.set_result(None)
+            if self._answered is answered:
+                self._answered = None
         for item in take:
             if not item.done.done():
                 item.done.set_result(None)
 
-    async def _commit(self, groups: pa.Table) -> CommitRecord:
+    def _written(self, encoding: list[bool]) -> None:
+        """A commit's shard is written (or the commit ended): a pipelined next commit may start."""
+        if encoding[0]:
+            encoding[0] = False
+            self._encoding -= 1
+            self._wake.set()
+
+    async def _commit(self, groups: pa.Table, written: Callable[[], None] | None = None) -> CommitRecord:
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1
@@ -240,7 +285,8 @@ class GroupCommitter:
             existed = self.store.record(self.run_id, name) is not None  # the log's new end only, no copy of every record
             try:
                 record = await asyncio.to_thread(
-                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups
+                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups,
+                    on_written=written,
                 )
             except Exception:
                 # The commit log is the truth: a commit whose record is in it is stored, whatever was raised after.

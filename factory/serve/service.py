@@ -305,6 +305,7 @@ class BatchService:
             linger_s=self.config.commit_linger_ms / 1000,
             concurrency=self.config.commit_concurrency,
             linger_queued=self.config.commit_linger_queued,
+            pipeline=self.config.commit_pipeline,
         )
         committer.start()
         self.committer = committer

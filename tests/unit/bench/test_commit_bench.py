@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from bench.serve import commit_bench
 
 
@@ -25,3 +27,12 @@ def test_commit_parts_reports_every_count_and_step():
     for count in commit_parts.COUNTS:
         assert result["commit"][count]["cpu_ms"] > 0
         assert result["parts"][count]["Parquet encode"]["cpu_ms"] > 0
+
+
+def test_fsync_pair_reports_both_modes(capsys):
+    from bench.serve import fsync_pair
+
+    assert fsync_pair.main(["--smoke"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(line) == {"load1", *fsync_pair.MODES}
+    assert all(line[mode]["shard_fsyncs_ms"] > 0 for mode in fsync_pair.MODES)

@@ -9,7 +9,7 @@ import pytest
 
 from factory.schema import groups_to_record_batch
 from factory.serve.ingest import GroupCommitter
-from factory.store import ShardStore
+from factory.store import ShardStore, shard_name
 from factory.synthetic import synthetic_groups
 
 
@@ -191,3 +191,65 @@ def test_the_committer_keeps_no_rows_once_their_commit_is_answered(tmp_path):
 
     before, after = asyncio.run(scenario())
     assert after == before
+
+
+def test_a_pipelined_commit_starts_once_the_one_before_has_written_its_shard(tmp_path):
+    """pipeline: the next commit waits while the one before is encoding its shard, starts once that shard's bytes
+    are written (its fsyncs and record still to come), and its posts are answered only after the earlier ones,
+    each once its own shard is committed."""
+    import threading
+
+    store = ShardStore(tmp_path)
+    commit = store.commit
+    entered: list[int] = []
+    before_write, after_write = threading.Event(), threading.Event()
+
+    def slow_commit(*args, **kwargs):
+        entered.append(args[2])
+        if len(entered) == 1:
+            before_write.wait(5.0)  # still encoding
+            on_written = kwargs.pop("on_written")
+
+            def written() -> None:
+                on_written()
+                after_write.wait(5.0)  # written; its fsyncs take long
+
+            return commit(*args, on_written=written, **kwargs)
+        return commit(*args, **kwargs)
+
+    store.commit = slow_commit
+
+    async def scenario() -> list[str]:
+        answered: list[str] = []
+        committer = GroupCommitter(store, "api", "api", lambda record, rows: answered.append(f"served {record.chunk}"),
+                                   pipeline=True)
+        committer.start()
+
+        async def post(name: str, rows) -> None:
+            await committer.submit(rows)
+            answered.append(name)
+
+        first = asyncio.create_task(post("first", _rows(1, 1)))
+        while not entered:
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(post("second", _rows(2, 2)))
+        await asyncio.sleep(0.1)
+        assert entered == [0]  # the first is still encoding: no second commit yet
+        before_write.set()
+        for _ in range(1000):
+            if len(entered) == 2:
+                break
+            await asyncio.sleep(0.005)
+        assert entered == [0, 1]  # started while the first waits for its fsyncs
+        await asyncio.sleep(0.1)  # the second's shard is committed by now, the first's not
+        assert answered == [] and store.record("api", shard_name("api", 1)) is not None
+        after_write.set()
+        await asyncio.gather(first, second)
+        await committer.stop()
+        return answered
+
+    answered = asyncio.run(scenario())
+    assert sorted(answered) == ["first", "second", "served 0", "served 1"]
+    position = answered.index
+    assert position("served 0") < position("first") < position("second") and position("served 0") < position("served 1") < position("second")
+    assert sorted(record.rows for record in store.committed("api").values()) == [1, 2]

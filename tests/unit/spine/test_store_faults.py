@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from bench.store_faults.inject import POINTS, Plan, inject
+from factory.schema import groups_to_record_batch
 from factory.store import ShardStore, StoreError
 from factory.synthetic import synthetic_groups
 
@@ -110,3 +111,57 @@ def test_a_torn_tail_left_by_a_crash_is_cut_before_the_next_append(store_root):
     store.commit("run", "w0", 1, chunk_groups(1))
     assert store.count("run") == 2 * PER_CHUNK
     assert ShardStore(store_root).verify("run") == []
+
+
+@pytest.mark.parametrize("as_rows", [False, True], ids=["groups", "arrow-rows"])
+def test_a_shard_and_its_directory_are_fsynced_together_before_its_record(store_root, monkeypatch, as_rows):
+    """The shard's fsync and its directory's run at once (a barrier both must reach), and both end before the
+    commit record is appended; a failed directory fsync fails the commit, which leaves nothing behind. Both write
+    paths: validated groups (datagen workers) and Arrow rows (the run-api's ingest)."""
+    import os
+    import threading
+
+    import factory.store as store_module
+
+    both = threading.Barrier(2, timeout=5.0)
+    order: list[str] = []
+    real_fsync, real_dir, real_append = os.fsync, store_module.fsync_dir, store_module.append_line
+    fail_dir = [False]
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            both.wait()
+            real_fsync(fd)
+            order.append("shard")
+            return
+        real_fsync(fd)
+
+    def fsync_dir(path) -> None:
+        if path.name == "shards":
+            both.wait()
+            if fail_dir[0]:
+                raise OSError(errno.EIO, "injected", str(path))
+            real_dir(path)
+            order.append("dir")
+            return
+        real_dir(path)
+
+    def append_line(path, line) -> None:
+        order.append("record")
+        real_append(path, line)
+
+    monkeypatch.setattr(store_module.os, "fsync", fsync)
+    monkeypatch.setattr(store_module, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(store_module, "append_line", append_line)
+    def groups(chunk: int):
+        return groups_to_record_batch(chunk_groups(chunk)) if as_rows else chunk_groups(chunk)
+
+    store = ShardStore(store_root)
+    store.commit("run", "w0", 0, groups(0))
+    assert sorted(order[:2]) == ["dir", "shard"] and order[2:] == ["record"]
+    fail_dir[0] = True
+    with pytest.raises(StoreError, match="shards"):
+        store.commit("run", "w0", 1, groups(1))
+    assert order[3:] == ["shard"]  # the shard's fsync ended; no record was appended
+    assert not list(store.shards_dir("run").glob("*.tmp"))
+    assert set(store.committed("run")) == {store_module.shard_name("w0", 0)}
