@@ -465,7 +465,7 @@ class BatchService:
         runs = self.state.source_runs()
         if compacted is not None and not any(compacted(run_id) for run_id in runs):
             return  # no run compacted: every shard in its own file, none to fold (no look each)
-        columns = self.state.source_columns() if current is not None else None
+        columns = self.state.source_columns(runs) if current is not None else None
         if columns is None:  # a store without records to look up at once, or names the columns cannot carry
             ids, rows, run_codes, codes, firsts, file_names = self._locate_one_by_one(runs)
         else:

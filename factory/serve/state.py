@@ -183,15 +183,16 @@ class ServedState:
         """The runs that shards indexed one by one belong to."""
         return [run_id for (run_id,) in self.db.execute("SELECT DISTINCT run_id FROM sources")]
 
-    def source_columns(self) -> SourceColumns | None:
+    def source_columns(self, runs: list[str] | None = None) -> SourceColumns | None:
         """`sources()` as columns, without a Python tuple per source (a restart after a compaction looks at a
         million of them once, see BatchService._fold); None where a shard name holds a line break (the columns
-        come back as one line-separated text each), and the caller takes `sources()`."""
+        come back as one line-separated text each), and the caller takes `sources()`. `runs`: `source_runs()`,
+        where the caller has it already (each is a scan of the index)."""
         import numpy as np
 
         from factory.store_records import column_of_lines, int32_values
 
-        many_runs = self.db.execute("SELECT COUNT(DISTINCT run_id) > 1 FROM sources").fetchone()[0]
+        many_runs = len(self.source_runs() if runs is None else runs) > 1
         count, ids, rows, shards, runs = self.db.execute(
             "SELECT COUNT(*), group_concat(source_id), group_concat(rows), group_concat(shard, char(10)), "
             f"{'group_concat(run_id, char(10))' if many_runs else 'MIN(run_id)'} "

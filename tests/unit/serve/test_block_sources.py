@@ -85,7 +85,7 @@ def test_shards_indexed_one_by_one_then_compacted_are_folded_into_a_block(tmp_pa
     """A service that indexed shards as they came restarts after they were compacted: it folds them into one block
     (same source ids, so the groups it served stay served) and the restart after that loads the block."""
     if not by_columns:
-        monkeypatch.setattr(ServedState, "source_columns", lambda self: None)
+        monkeypatch.setattr(ServedState, "source_columns", lambda self, runs=None: None)
     store = ShardStore(tmp_path)
     groups = _groups(120)
     _commit(store, groups, range(12))
@@ -112,7 +112,7 @@ def test_only_runs_of_consecutive_sources_in_file_order_are_folded(tmp_path, mon
     ids in two runs (1, 2 and 5, 6); after both runs are compacted each run of ids becomes a block (four), and
     nothing is served twice. The same where the sources cannot be read as columns (looked up one by one)."""
     if not by_columns:
-        monkeypatch.setattr(ServedState, "source_columns", lambda self: None)
+        monkeypatch.setattr(ServedState, "source_columns", lambda self, runs=None: None)
     store = ShardStore(tmp_path)
     groups = _groups(80)
 
