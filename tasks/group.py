@@ -20,7 +20,7 @@ import pyarrow as pa
 from environments.base import Item, Rollout
 from environments.groups import MASK_IGNORE, ScoredGroup, make_group_id
 from factory import schema
-from factory.group_columns import GroupColumns
+from factory.group_columns import GroupColumns, one_reply_messages_json
 from tasks.generate import GeneratedChunk
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,8 @@ def group_fields(
     arrays: bool = False,
 ) -> dict[str, Any] | str:
     """`build_group`'s ScoredGroup as the keyword arguments it is made of (not validated), or the drop reason.
-    `arrays`: tokens, masks and logprobs as arrays (`sequence_arrays`) where every id allows, for `GroupColumns`."""
+    `arrays`: for `GroupColumns.add`: tokens, masks and logprobs as arrays (`sequence_arrays`) where every id
+    allows, and one-reply messages as their stored JSON (`messages_json`)."""
     if any(r.error is not None or r.score is None or not r.output_token_ids or not r.prompt_token_ids for r in rollouts):
         return "failed"
     if len(rollouts) != group_size:
@@ -177,13 +178,18 @@ def group_fields(
         return "equal_scores"
     logprobs = [lp for _, _, lp in sequences]
     policy_version = min(r.policy_version for r in rollouts)
+    messages: dict[str, Any] = {}
+    if arrays and all(r.messages is None and type(r.text) is str for r in rollouts):
+        messages["messages_json"] = one_reply_messages_json(item.messages, [r.text for r in rollouts])
+    if messages.get("messages_json") is None:
+        messages = {"messages": [r.messages if r.messages is not None
+                                 else [*item.messages, {"role": "assistant", "content": r.text}] for r in rollouts]}
     return {
         "tokens": [t for t, _, _ in sequences],
         "masks": [m for _, m, _ in sequences],
         "scores": scores,
         "inference_logprobs": None if any(lp is None for lp in logprobs) else logprobs,
-        "messages": [r.messages if r.messages is not None else [*item.messages, {"role": "assistant", "content": r.text}]
-                     for r in rollouts],
+        **messages,
         "generation_params": generation_params,
         "images": item.info.get("images"),  # multimodal items: the prompt's pictures, kept with the group
         "group_id": make_group_id(env, item.key, seed, policy_version),

@@ -7,17 +7,20 @@ store, byte for byte.
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import random
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from environments.base import Item, Rollout
 from environments.groups import ScoredGroup
-from factory.group_columns import GroupColumns
+from factory.group_columns import GroupColumns, one_reply_messages_json
 from factory.schema import groups_to_record_batch
 from factory.store import ShardStore
 from tasks.group import GroupedChunk, build_group, group_chunk
@@ -215,3 +218,21 @@ def test_add_refuses_what_scoredgroup_would_change_and_leaves_the_columns_as_the
         assert not columns.add(**{**good, **spoiled}), spoiled
     assert len(columns) == 1 and list(columns.tokens) == [1, 2] and list(columns.masks) == [-100, 2]
     assert columns[0].tokens == [[1, 2]] and columns[0].messages == good["messages"]
+
+
+message = st.fixed_dictionaries(
+    {"role": st.text(max_size=8), "content": st.one_of(st.text(), st.lists(st.dictionaries(st.text(max_size=4), st.text())))},
+    optional={"name": st.text(max_size=4), "score": st.floats(allow_nan=False, allow_infinity=False)})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(message, max_size=3), st.lists(st.text(), min_size=1, max_size=4))
+def test_one_reply_messages_json_is_json_dumps_of_the_conversations(prompt, replies):
+    conversations = [[*prompt, {"role": "assistant", "content": reply}] for reply in replies]
+    assert one_reply_messages_json(prompt, replies) == json.dumps(conversations, ensure_ascii=False, allow_nan=False)
+
+
+def test_one_reply_messages_json_refuses_what_scoredgroup_or_json_would_not_keep():
+    for prompt in ([{"content": "no role"}], [{"role": "u", "content": "c", 1: "int key"}], ["not a dict"],
+                   [{"role": "u", "content": math.nan}]):
+        assert one_reply_messages_json(prompt, ["a"]) is None
