@@ -14,13 +14,13 @@ coercions, checks and error messages stay the only ones).
 from __future__ import annotations
 
 import json
-from json.encoder import encode_basestring
 import math
 import time
 from array import array
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from itertools import accumulate
+from json.encoder import encode_basestring
 from typing import Any, overload
 
 import numpy as np
