@@ -178,7 +178,8 @@ class DynamicSampling:
         extra: dict[str, Any] = {"items": len(getattr(grouped, "outcomes", [])) or self._chunk_len(chunk),
                                  "trimmed_over_target": getattr(grouped, "trimmed", 0)}
         if self.curriculum is not None:
-            kept = {g.item_key for g in grouped.groups}
+            keys = getattr(grouped.groups, "item_keys", None)  # GroupColumns: without making a ScoredGroup per group
+            kept = set(keys) if keys is not None else {g.item_key for g in grouped.groups}
             outcomes = outcomes_of(grouped, kept, self.solved)
             by_family: Counter[str] = Counter(o.family for o in outcomes if o.kept)
             extra["curriculum"] = [o.to_list() for o in outcomes]

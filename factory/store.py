@@ -816,10 +816,11 @@ class ShardStore:
         An already committed chunk is skipped (the returned record has
         `skipped=True`) unless `replace` is set. Dicts are validated as
         `ScoredGroup`s; a bad group raises before anything becomes visible.
-        An empty chunk commits an empty shard, which marks the chunk done.
-        `on_written` (rows given as a `pa.Table` or `pa.RecordBatch` only) is called in this thread once the shard's
-        bytes are encoded and handed to the OS, before they are fsynced and committed: what is left of the commit
-        then mostly waits on the disk (the run-api starts encoding its next shard there).
+        An empty chunk commits an empty shard, which marks the chunk done. An object with a `to_record_batch()`
+        (a datagen chunk: tasks/group.GroupedChunk) is written from the batch it returns.
+        `on_written` (rows given as a `pa.Table`, a `pa.RecordBatch` or `to_record_batch()` only) is called in this
+        thread once the shard's bytes are encoded and handed to the OS, before they are fsynced and committed: what
+        is left of the commit then mostly waits on the disk (the run-api starts encoding its next shard there).
         """
         _check_name("producer", producer)
         if chunk < 0:
@@ -996,6 +997,9 @@ class ShardStore:
         """
         if isinstance(groups, (pa.RecordBatch, pa.Table)):
             return _write_rows(path, groups, row_group_groups, on_written)
+        if callable(to_record_batch := getattr(groups, "to_record_batch", None)):  # a datagen chunk, built as columns
+            # row groups of WRITE_BATCH_GROUPS, as the groups written one batch at a time below: the same file
+            return _write_rows(path, to_record_batch(), min(row_group_groups, WRITE_BATCH_GROUPS), on_written)
         rows = 0
         pending: list[ScoredGroup] = []
         index_rows: tuple[list[Any], ...] = ([], [], [], [])

@@ -247,6 +247,8 @@ class ObjectShardStore:
             return dataclass_replace(existing, skipped=True)
         if isinstance(groups, (pa.Table, pa.RecordBatch)):
             table = pa.Table.from_batches([groups]) if isinstance(groups, pa.RecordBatch) else groups
+        elif callable(to_record_batch := getattr(groups, "to_record_batch", None)):  # a datagen chunk as columns
+            table = pa.Table.from_batches([to_record_batch()])
         else:
             table = pa.Table.from_batches([groups_to_record_batch([g if isinstance(g, ScoredGroup) else ScoredGroup.model_validate(g) for g in groups])])
         sink = pa.BufferOutputStream()

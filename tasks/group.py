@@ -10,12 +10,17 @@ every score is the same (`equal_scores`: no GRPO signal).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
+
 from environments.base import Item, Rollout
 from environments.groups import MASK_IGNORE, ScoredGroup, make_group_id
+from factory import schema
+from factory.group_columns import GroupColumns, one_reply_messages_json
 from tasks.generate import GeneratedChunk
 
 logger = logging.getLogger(__name__)
@@ -26,10 +31,12 @@ DROP_REASONS = ("failed", "wrong_size", "too_long", "equal_scores")
 class GroupedChunk:
     """The kept groups of a chunk and what was dropped, with the counts the summary needs.
 
-    A plain class, not a dataclass, so Prefect does not walk every token when it is passed between tasks.
+    `groups` is a sequence of `ScoredGroup`s: as `GroupColumns` (flat arrays, no pydantic object per group) when
+    `group_chunk` built it, else a list. A plain class, not a dataclass, so Prefect does not walk every token
+    when it is passed between tasks.
     """
 
-    def __init__(self, groups: list[ScoredGroup]) -> None:
+    def __init__(self, groups: Sequence[ScoredGroup]) -> None:
         self.groups = groups
         self.dropped: Counter[str] = Counter()
         self.rollouts = 0
@@ -48,6 +55,12 @@ class GroupedChunk:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    def to_record_batch(self) -> pa.RecordBatch:
+        """The kept groups as a shard's rows (ShardStore.commit writes these instead of iterating the groups)."""
+        if isinstance(self.groups, GroupColumns):
+            return self.groups.to_record_batch()
+        return schema.groups_to_record_batch(self.groups)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -84,6 +97,32 @@ def sequence_tokens(rollout: Rollout) -> tuple[list[int], list[int], list[float]
     return [*prompt, *output], masks, logprobs
 
 
+_IGNORED = array("i", [MASK_IGNORE])
+_PROMPT_LOGPROB = array("d", [1.0])
+
+
+def sequence_arrays(rollout: Rollout, prompts: dict[int, tuple[Any, array, array]]
+                    ) -> tuple[array, array, array | None]:
+    """`sequence_tokens` as int32 / float64 arrays, the form `GroupColumns` stores. The ids are converted once each:
+    a prompt list shared by a group's rollouts (as a server's one `prompt_token_ids` is) once per group, through
+    `prompts` (by id, the list kept beside its arrays), and an answer's ids once for its tokens and masks. Raises
+    TypeError or OverflowError for an id that is not an int32 integer (the caller then takes `sequence_tokens`)."""
+    if rollout.output_mask is not None:  # multi-turn: the lists' own rules, then arrays
+        tokens, masks, logprobs = sequence_tokens(rollout)
+        return array("i", tokens), array("i", masks), None if logprobs is None else array("d", logprobs)
+    prompt = rollout.prompt_token_ids or ()
+    converted = prompts.get(id(prompt))
+    if converted is None or converted[0] is not prompt:
+        converted = prompts[id(prompt)] = (prompt, array("i", prompt), _IGNORED * len(prompt))
+    output = array("i", rollout.output_token_ids or ())
+    logprobs = rollout.output_logprobs
+    if logprobs is not None and len(logprobs) == len(output):
+        logprobs = _PROMPT_LOGPROB * len(prompt) + array("d", logprobs)
+    else:
+        logprobs = None
+    return converted[1] + output, converted[2] + output, logprobs
+
+
 def build_group(
     env: str,
     item: Item,
@@ -97,11 +136,41 @@ def build_group(
     generation_params: dict[str, Any] | None = None,
 ) -> ScoredGroup | str:
     """The group for one item, or the reason it is dropped (one of DROP_REASONS)."""
+    fields = group_fields(env, item, rollouts, group_size=group_size, max_token_length=max_token_length,
+                          ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
+                          generation_params=generation_params)
+    return fields if isinstance(fields, str) else ScoredGroup(**fields)
+
+
+def group_fields(
+    env: str,
+    item: Item,
+    rollouts: Sequence[Rollout],
+    *,
+    group_size: int,
+    max_token_length: int,
+    ensure_scores_are_not_same: bool = True,
+    run_id: str = "",
+    seed: int = 0,
+    generation_params: dict[str, Any] | None = None,
+    arrays: bool = False,
+) -> dict[str, Any] | str:
+    """`build_group`'s ScoredGroup as the keyword arguments it is made of (not validated), or the drop reason.
+    `arrays`: for `GroupColumns.add`: tokens, masks and logprobs as arrays (`sequence_arrays`) where every id
+    allows, and one-reply messages as their stored JSON (`messages_json`)."""
     if any(r.error is not None or r.score is None or not r.output_token_ids or not r.prompt_token_ids for r in rollouts):
         return "failed"
     if len(rollouts) != group_size:
         return "wrong_size"
-    sequences = [sequence_tokens(r) for r in rollouts]
+    sequences: list[tuple[Any, Any, Any]] = []
+    if arrays:
+        prompts: dict[int, tuple[Any, array, array]] = {}
+        try:
+            sequences = [sequence_arrays(r, prompts) for r in rollouts]
+        except (TypeError, OverflowError):
+            sequences = []
+    if not sequences:
+        sequences = [sequence_tokens(r) for r in rollouts]
     if any(len(tokens) > max_token_length for tokens, _, _ in sequences):
         return "too_long"
     scores = [float(r.score) for r in rollouts]  # type: ignore[arg-type]
@@ -109,22 +178,27 @@ def build_group(
         return "equal_scores"
     logprobs = [lp for _, _, lp in sequences]
     policy_version = min(r.policy_version for r in rollouts)
-    return ScoredGroup(
-        tokens=[t for t, _, _ in sequences],
-        masks=[m for _, m, _ in sequences],
-        scores=scores,
-        inference_logprobs=None if any(lp is None for lp in logprobs) else logprobs,  # type: ignore[arg-type]
-        messages=[r.messages if r.messages is not None else [*item.messages, {"role": "assistant", "content": r.text}]
-                  for r in rollouts],
-        generation_params=generation_params,
-        images=item.info.get("images"),  # multimodal items: the prompt's pictures, kept with the group
-        group_id=make_group_id(env, item.key, seed, policy_version),
-        env=env,
-        item_key=item.key,
-        policy_version=policy_version,
-        run_id=run_id,
-        difficulty=item.info.get("difficulty"),
-    )
+    messages: dict[str, Any] = {}
+    if arrays and all(r.messages is None and type(r.text) is str for r in rollouts):
+        messages["messages_json"] = one_reply_messages_json(item.messages, [r.text for r in rollouts])
+    if messages.get("messages_json") is None:
+        messages = {"messages": [r.messages if r.messages is not None
+                                 else [*item.messages, {"role": "assistant", "content": r.text}] for r in rollouts]}
+    return {
+        "tokens": [t for t, _, _ in sequences],
+        "masks": [m for _, m, _ in sequences],
+        "scores": scores,
+        "inference_logprobs": None if any(lp is None for lp in logprobs) else logprobs,
+        **messages,
+        "generation_params": generation_params,
+        "images": item.info.get("images"),  # multimodal items: the prompt's pictures, kept with the group
+        "group_id": make_group_id(env, item.key, seed, policy_version),
+        "env": env,
+        "item_key": item.key,
+        "policy_version": policy_version,
+        "run_id": run_id,
+        "difficulty": item.info.get("difficulty"),
+    }
 
 
 def group_chunk(
@@ -142,25 +216,29 @@ def group_chunk(
     """Group every item of a chunk, counting drops by reason."""
     if len(items) != len(rollouts):
         raise ValueError(f"group_chunk got {len(items)} items but {len(rollouts)} rollout lists; they must pair up")
-    result = GroupedChunk(groups=[])
+    result = GroupedChunk(groups=GroupColumns())
+    options = {"group_size": group_size, "max_token_length": max_token_length, "run_id": run_id, "seed": seed,
+               "ensure_scores_are_not_same": ensure_scores_are_not_same, "generation_params": generation_params}
     for item, group_rollouts in zip(items, rollouts):
+        columnar = isinstance(result.groups, GroupColumns)
         result.rollouts += len(group_rollouts)
         for r in group_rollouts:
             result.completion_tokens += len(r.output_token_ids or [])
             if r.score is not None:
                 result.score_sum += r.score
                 result.scored += 1
-        built = build_group(
-            env, item, group_rollouts, group_size=group_size, max_token_length=max_token_length,
-            ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
-            generation_params=generation_params,
-        )
+        fields = group_fields(env, item, group_rollouts, arrays=columnar, **options)
         failed = any(r.error is not None or r.score is None for r in group_rollouts)
         result.outcomes.append((item, None if failed else [float(r.score) for r in group_rollouts]))  # type: ignore[arg-type]
-        if isinstance(built, str):
-            result.dropped[built] += 1
-        else:
-            result.groups.append(built)
+        if isinstance(fields, str):
+            result.dropped[fields] += 1
+        elif not (columnar and result.groups.add(**fields)):
+            if columnar:  # lists for pydantic: its coercions, checks and messages (a bad group raises, as it did)
+                fields = group_fields(env, item, group_rollouts, **options)
+            group = ScoredGroup(**fields)  # type: ignore[arg-type]
+            if columnar:  # a group the columns cannot hold as it is: the rest of the chunk as ScoredGroups (rare)
+                result.groups = list(result.groups)
+            result.groups.append(group)
     if result.dropped:
         logger.debug("chunk of %d items: dropped %s", len(items), dict(result.dropped))
     return result

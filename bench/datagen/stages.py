@@ -92,10 +92,17 @@ def patch_stages(clock: StageClock) -> list[tuple[Any, str, Any]]:
         (generate.ClientSampler, "_ids", "tokenize/mask"),
         (generate.ClientSampler, "_tokenize_all", "tokenize/mask"),
         (group, "sequence_tokens", "mask"),
+        (group, "sequence_arrays", "mask"),  # the columnar group step's masks (issue 33, GroupColumns)
         (store, "groups_to_record_batch", "Arrow build"),
         (shards, "groups_to_record_batch", "Arrow build"),
         (schema, "groups_to_record_batch", "Arrow build"),
     ]
+    try:  # a chunk's groups as columns: its Arrow build (checkouts from before have no such module)
+        from factory.group_columns import GroupColumns
+    except ImportError:
+        pass
+    else:
+        targets.append((GroupColumns, "to_record_batch", "Arrow build"))
     undo = []
     for owner, name, stage in targets:
         original = owner.__dict__.get(name)

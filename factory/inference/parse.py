@@ -52,17 +52,26 @@ def _version(data: dict[str, Any], ep: Endpoint) -> int:
 
 
 def parse_chat(data: dict[str, Any], ep: Endpoint) -> list[Completion]:
-    """OpenAI chat.completion; token ids where the server adds them (`token_ids`, `prompt_token_ids`)."""
+    """OpenAI chat.completion; token ids where the server adds them (`token_ids`, `prompt_token_ids`).
+
+    Written for its per-choice cost (a datagen worker parses 8 choices per group): the answer-level fields are
+    read once, and a plain string finish reason is looked up without `_finish`'s call."""
     version = _version(data, ep)
+    shared_prompt_ids = data.get("prompt_token_ids")
+    root = ep.root
     completions = []
     for choice in data["choices"]:
-        content = (choice.get("logprobs") or {}).get("content")
-        logprobs = [float(t["logprob"]) for t in content] if content else None
+        logprobs = choice.get("logprobs")
+        content = (logprobs or {}).get("content")
+        reason = choice.get("finish_reason")
         completions.append(Completion(
-            text=choice["message"].get("content") or "",
-            prompt_token_ids=data.get("prompt_token_ids") or choice.get("prompt_token_ids"),
-            output_token_ids=choice.get("token_ids"), output_logprobs=logprobs,
-            finish_reason=_finish(choice.get("finish_reason")), policy_version=version, endpoint=ep.root,
+            choice["message"].get("content") or "",
+            shared_prompt_ids or choice.get("prompt_token_ids"),
+            choice.get("token_ids"),
+            [float(t["logprob"]) for t in content] if content else None,
+            _FINISH.get(reason, "stop") if type(reason) is str else _finish(reason),
+            version,
+            root,
         ))
     return completions
 

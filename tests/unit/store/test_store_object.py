@@ -171,3 +171,20 @@ def test_records_carry_the_index_summary_and_a_scan_reads_no_shard(bucket, monke
     assert [s.shard for s in found] == list(records)
     for shard in found:
         assert plain(shard.index).equals(expected[shard.shard].cast(plain(shard.index).schema))
+
+
+def test_a_chunk_grouped_as_columns_is_written_as_its_scoredgroups(bucket):
+    from environments.base import Item, Rollout
+    from tasks.group import group_chunk
+
+    fs, name = bucket
+    items = [Item(key=f"k{i}", messages=[{"role": "user", "content": f"q{i}"}]) for i in range(4)]
+    rollouts = [[Rollout(item.key, f"a{j}", [1, 2, i], [3, j], None, "stop", 0, score=float(j)) for j in range(2)]
+                for i, item in enumerate(items)]
+    grouped = group_chunk("e", items, rollouts, group_size=2, max_token_length=10, run_id="run")
+    as_groups = list(grouped.groups)
+    columns_store, groups_store = open_store(f"s3://{name}/columns"), open_store(f"s3://{name}/groups")
+    written = columns_store.commit("run", "w0", 0, grouped)
+    before = groups_store.commit("run", "w0", 0, as_groups)
+    assert (written.rows, written.sha256) == (before.rows, before.sha256) == (4, before.sha256)
+    assert [g.model_dump() for g in columns_store.iter_groups("run")] == [g.model_dump() for g in as_groups]
