@@ -315,13 +315,8 @@ class DatagenRun:
         self.logger.info("summary: %s", json.dumps(summary))
         return summary
 
-    def outcome(self) -> Any:
-        """The one place the run's end state is decided; returns what the pipeline flow returns.
-
-        Stopped by a signal: the runs are marked Cancelled (the process exits at once if chunks were abandoned).
-        A target missed within `max_items`: Failed, with the true numbers (run_datagen does not retry it).
-        Otherwise the run completes with its summary.
-        """
+    def _send_held_back_reports(self) -> None:
+        """The progress and curriculum artifacts as the run ends, where a throttle held back the latest."""
         reached = self.ops.progress is not None and self.ops.progress.target_reached  # the artifact says 100% then
         if self.progress_throttle.held_back() and not reached:
             from prefect.artifacts import update_progress_artifact
@@ -329,6 +324,15 @@ class DatagenRun:
             best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
         if self.curriculum is not None and self.curriculum_throttle.held_back():
             self._publish_curriculum(self.last_committed_chunk)
+
+    def outcome(self) -> Any:
+        """The one place the run's end state is decided; returns what the pipeline flow returns.
+
+        Stopped by a signal: the runs are marked Cancelled (the process exits at once if chunks were abandoned).
+        A target missed within `max_items`: Failed, with the true numbers (run_datagen does not retry it).
+        Otherwise the run completes with its summary.
+        """
+        self._send_held_back_reports()
         self.committer.folder.fold_if_due()  # a run from before folding, resumed: fold its backlog before reading it
         summary = self.summary()
         if self.stopping:
