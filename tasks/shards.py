@@ -4,21 +4,50 @@ shared `ShardStore`, or an `ObjectShardStore` for an s3:// root)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from environments.groups import ScoredGroup
 from factory.run_logging import logs_to_task_run
-from factory.store import CommitRecord
+from factory.store import CommitRecord, ShardStore
 from factory.store_object import open_store
+
+_STORES_KEPT = 8
+_stores: OrderedDict[str, ShardStore] = OrderedDict()
+_stores_lock = threading.Lock()
+
+
+def store_at(root: str) -> Any:
+    """The store at `root`; a local or shared one is opened once per process and kept (the 8 latest roots).
+
+    A `ShardStore` keeps what it has read of a run's commit log and has finished its interrupted commits once; a
+    new one per commit loaded the manifest, parsed the log after it and listed the shards directory every time:
+    +3 ms of CPU per commit at 100 committed chunks, +15 ms at 1000-3000 (bench/RESULTS.md, issue 33). Commits of
+    one run stay serialized across threads and processes by the store's own file lock."""
+    key = str(root)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = open_store(root)
+            if not isinstance(store, ShardStore):
+                return store  # an object store: opened per commit, as before
+            _stores[key] = store
+            while len(_stores) > _STORES_KEPT:
+                _stores.popitem(last=False)
+        else:
+            _stores.move_to_end(key)
+        return store
 
 
 def write_shard(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup]) -> CommitRecord:
     """Commit `groups` as the shard of (run, producer, chunk); a committed chunk is skipped."""
-    return open_store(root).commit(run_id, producer, chunk, groups)
+    return store_at(root).commit(run_id, producer, chunk, groups)
 
 
 def write_shard_retrying(root: str, run_id: str, producer: str, chunk: int, groups: Sequence[ScoredGroup], *,

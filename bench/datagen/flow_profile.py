@@ -11,8 +11,8 @@ CPU per group, the orchestration share and the rows written (count and content h
 
 `--server-token-ids`: the instant server returns token ids to requests that ask (vLLM's `return_token_ids`) and
 the flow and plain worker ask (server_type vllm). With `--versus`, both sides call one instant server started by
-the parent, and only B gets the option (A runs as it is: a checkout from before issue 33's token-id requests asks
-for none and tokenizes locally), so the A/B is "before" against "after, on a server that returns ids".
+the parent; B gets the option, and A too where its flow_profile takes it (a checkout from before issue 33's token-id
+requests asks for none and tokenizes locally: then the A/B is "before" against "after, on a server that returns ids").
 
 One process, one Prefect server, the instant server; the flow (`intern_bootcamp_datagen`, inline scoring, thread
 pool) is called `--calls` times and the first call (imports, tokenizer, Prefect engine start) is left out. For
@@ -280,6 +280,13 @@ def process_cpu(process: Any) -> float:
     return total
 
 
+def asks_ids(checkout: Path) -> bool:
+    """Whether CHECKOUT's flow_profile takes --server-token-ids (a checkout from after issue 33's token-id requests):
+    then side A asks for ids too, and the A/B compares like with like."""
+    own = checkout / "bench" / "datagen" / "flow_profile.py"
+    return own.is_file() and "--server-token-ids" in own.read_text(encoding="utf-8")
+
+
 def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
     """A (`--versus` checkout) and B (this checkout) in alternating child processes against one Prefect server."""
     import json
@@ -312,7 +319,7 @@ def versus(args: argparse.Namespace, argv: list[str] | None) -> None:
             for name, checkout in sides.items():
                 env = {**os.environ, **environ, "PYTHONPATH": str(checkout)}
                 server_cpu = process_cpu(server)
-                own = ["--server-token-ids"] if args.server_token_ids and name == "B" else []
+                own = ["--server-token-ids"] if args.server_token_ids and (name == "B" or asks_ids(checkout)) else []
                 done = subprocess.run([sys.executable, __file__, *child_args, *own, "--record-line"], env=env,
                                       capture_output=True, text=True, cwd=checkout)
                 if done.returncode:

@@ -175,9 +175,12 @@ class RunOps:
         self.logger.info(PROGRESS_PREFIX + self.progress.line())
         self._mark_target_reached()
 
-    def chunk_committed(self, *, groups_kept: int, rollouts: int) -> None:
+    def chunk_committed(self, *, groups_kept: int, rollouts: int, detail: str = "") -> None:
+        """Count a committed chunk and log the progress line, with `detail` (what the chunk kept and dropped) on
+        the same line: one log record per chunk (each record costs the flow ~0.5 ms: console, API shipping)."""
         if self.progress is not None:
-            self.logger.info(PROGRESS_PREFIX + self.progress.update(groups_kept=groups_kept, rollouts=rollouts))
+            line = PROGRESS_PREFIX + self.progress.update(groups_kept=groups_kept, rollouts=rollouts)
+            self.logger.info(f"{line} ({detail})" if detail else line)
             self._mark_target_reached()
 
     def _mark_target_reached(self) -> None:

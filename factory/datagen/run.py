@@ -150,7 +150,8 @@ class Throttle:
 
 PROGRESS_ARTIFACT_EVERY_S = 5.0
 """The progress artifact is updated at most this often (each update is a Prefect API call from the flow body; the
-progress log line still comes with every chunk), and once more at the end."""
+progress log line still comes with every chunk), and once more at the end. The curriculum table too, except that a
+chunk that moves a level publishes it at once."""
 
 
 def artifact_key(run_id: str, what: str) -> str:
@@ -189,6 +190,8 @@ class DatagenRun:
                                         backpressure=self.backpressure, folder=folder)
         self.window = ChunksInFlight(d.chunks_in_flight, self.sampler)
         self.progress_throttle = Throttle(PROGRESS_ARTIFACT_EVERY_S)
+        self.curriculum_throttle = Throttle(PROGRESS_ARTIFACT_EVERY_S)
+        self.last_committed_chunk: int | None = None
         self.group_options = {
             "group_size": cfg.env.group_size, "max_token_length": cfg.env.max_token_length,
             "ensure_scores_are_not_same": cfg.env.ensure_scores_are_not_same, "run_id": d.run_id,
@@ -255,7 +258,7 @@ class DatagenRun:
         self._commit(planned.chunk, self.ops.result(future))
 
     def _commit(self, chunk: int, grouped: Any) -> None:
-        from prefect.artifacts import create_table_artifact, update_progress_artifact
+        from prefect.artifacts import update_progress_artifact
 
         d = self.cfg.datagen
         moves = self.committer.commit(chunk, grouped)
@@ -263,16 +266,25 @@ class DatagenRun:
             self.logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk,
                              d.target_groups)
             return
+        self.last_committed_chunk = chunk
         if self.progress_throttle.due():
             best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())  # not fatal in an outage
-        self.logger.info("chunk %d: kept %d groups, dropped %s", chunk, len(grouped.groups), dict(grouped.dropped))
         if self.curriculum is not None:
             for move in moves:
                 self.logger.info("curriculum: %s level %d -> %d (recent pass rate %.2f)", move["family"],
                                  move["from"], move["to"], move["pass_rate"])
-            best_effort(create_table_artifact, table=self.curriculum.table(), key=artifact_key(d.run_id, "curriculum"),
-                        description=f"{self.env_name} curriculum after chunk {chunk} of run {d.run_id}")
-        self.ops.chunk_committed(groups_kept=len(grouped.groups), rollouts=grouped.rollouts)
+            if moves or self.curriculum_throttle.due():  # a new table per chunk was an API call per chunk
+                self._publish_curriculum(chunk)
+        kept = len(grouped.groups)
+        self.ops.chunk_committed(groups_kept=kept, rollouts=grouped.rollouts,
+                                 detail=f"chunk {chunk}: kept {kept} groups, dropped {dict(grouped.dropped)}")
+
+    def _publish_curriculum(self, chunk: int) -> None:
+        from prefect.artifacts import create_table_artifact
+
+        d = self.cfg.datagen
+        best_effort(create_table_artifact, table=self.curriculum.table(), key=artifact_key(d.run_id, "curriculum"),
+                    description=f"{self.env_name} curriculum after chunk {chunk} of run {d.run_id}")
 
     def commit_remaining(self) -> None:
         """Commit every chunk still in flight; after a stop signal only those that finish within the grace period
@@ -303,6 +315,16 @@ class DatagenRun:
         self.logger.info("summary: %s", json.dumps(summary))
         return summary
 
+    def _send_held_back_reports(self) -> None:
+        """The progress and curriculum artifacts as the run ends, where a throttle held back the latest."""
+        reached = self.ops.progress is not None and self.ops.progress.target_reached  # the artifact says 100% then
+        if self.progress_throttle.held_back() and not reached:
+            from prefect.artifacts import update_progress_artifact
+
+            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
+        if self.curriculum is not None and self.curriculum_throttle.held_back():
+            self._publish_curriculum(self.last_committed_chunk)
+
     def outcome(self) -> Any:
         """The one place the run's end state is decided; returns what the pipeline flow returns.
 
@@ -310,11 +332,7 @@ class DatagenRun:
         A target missed within `max_items`: Failed, with the true numbers (run_datagen does not retry it).
         Otherwise the run completes with its summary.
         """
-        reached = self.ops.progress is not None and self.ops.progress.target_reached  # the artifact says 100% then
-        if self.progress_throttle.held_back() and not reached:
-            from prefect.artifacts import update_progress_artifact
-
-            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
+        self._send_held_back_reports()
         self.committer.folder.fold_if_due()  # a run from before folding, resumed: fold its backlog before reading it
         summary = self.summary()
         if self.stopping:

@@ -124,3 +124,72 @@ def test_the_datagen_tasks_hash_no_inputs_for_a_cache_key():
 
     for task in (rollout_task, write_shard_task):
         assert task.cache_policy is NO_CACHE, task.name
+
+
+def _run_committing(moves_by_chunk: dict[int, list], clock: list[float]):
+    """A DatagenRun with only what `_commit` and the end of `outcome` touch: stubs that record what they were asked."""
+    from types import SimpleNamespace
+
+    from factory.datagen.run import DatagenRun, Throttle
+
+    run = DatagenRun.__new__(DatagenRun)
+    run.cfg = SimpleNamespace(datagen=SimpleNamespace(run_id="r", target_groups=None))
+    run.env_name, run.progress_id, run.last_committed_chunk = "toy", "progress-1", None
+    run.logger = SimpleNamespace(lines=[], info=lambda message, *args: run.logger.lines.append(message % args))
+    run.committer = SimpleNamespace(commit=lambda chunk, grouped: moves_by_chunk.get(chunk, []))
+    run.curriculum = SimpleNamespace(table=lambda: [{"family": "f", "level": 1}])
+    run.sampler = SimpleNamespace(progress=lambda: 50.0)
+    run.progress_throttle = Throttle(5.0, clock=lambda: clock[0])
+    run.curriculum_throttle = Throttle(5.0, clock=lambda: clock[0])
+    run.ops = SimpleNamespace(committed=[], chunk_committed=lambda **kw: run.ops.committed.append(kw))
+    return run
+
+
+def test_the_curriculum_table_is_published_on_a_level_move_else_at_most_every_interval_and_at_the_end(monkeypatch):
+    import prefect.artifacts
+
+    tables, progress = [], []
+    monkeypatch.setattr(prefect.artifacts, "create_table_artifact",
+                        lambda table, key, description: tables.append(description))
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", lambda *args: progress.append(args))
+    now = [100.0]
+    move = {"family": "f", "from": 1, "to": 2, "pass_rate": 0.9}
+    run = _run_committing({2: [move]}, now)
+    grouped = grouped_chunk(0, 3)
+    for chunk in range(4):  # 4 chunks within one interval: the first, and the one that moved a level
+        run._commit(chunk, grouped)
+        now[0] += 1.0
+    assert tables == ["toy curriculum after chunk 0 of run r", "toy curriculum after chunk 2 of run r"]
+    assert len(progress) == 1
+    assert "curriculum: f level 1 -> 2 (recent pass rate 0.90)" in run.logger.lines
+    now[0] += 5.0
+    run._commit(4, grouped)  # the interval has passed
+    assert tables[-1] == "toy curriculum after chunk 4 of run r"
+    run._commit(5, grouped)  # held back: the end of the run publishes it
+    assert tables[-1] == "toy curriculum after chunk 4 of run r"
+    run.ops.progress = None
+    run._send_held_back_reports()
+    assert tables[-1] == "toy curriculum after chunk 5 of run r" and len(tables) == 4
+    run._send_held_back_reports()
+    assert len(tables) == 4  # nothing held back any more
+
+
+def test_each_committed_chunk_is_one_progress_record_that_names_what_the_chunk_kept_and_dropped(monkeypatch):
+    import prefect.artifacts
+
+    from factory.datagen.ops import RunOps
+    from factory.progress import PROGRESS_PREFIX
+
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", lambda *args: None)
+    run = _run_committing({}, [0.0])
+    run.curriculum = None
+    ops = RunOps.__new__(RunOps)
+    ops.logger, ops.target_groups, ops._progress_artifact, ops.progress = run.logger, None, None, None
+    ops.track("toy", total_chunks=10, done_before=0)
+    run.ops = ops
+    grouped = grouped_chunk(0, 3)
+    before = len(run.logger.lines)
+    run._commit(7, grouped)
+    line, = run.logger.lines[before:]
+    assert line.startswith(PROGRESS_PREFIX + "toy: 1/10 chunks, 3 groups kept, ")  # what `progress watch` prints
+    assert line.endswith(f"(chunk 7: kept 3 groups, dropped {dict(grouped.dropped)})")

@@ -97,3 +97,39 @@ def test_shard_commit_retries_are_bounded(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output"):
         shards.write_shard_retrying(str(tmp_path), "r", "w0", 0, [], delays_s=(0.5, 2.0), sleep=lambda s: None)
     assert len(attempts) == 3
+
+
+def test_only_the_completed_record_of_a_rollout_task_run_is_dropped_from_the_run_log():
+    from tasks.rollout import QuietCompletedRollouts, quiet_completed_rollouts
+
+    def record(message, level=logging.INFO, task_name="rollout"):
+        made = logging.LogRecord("prefect.task_runs", level, __file__, 1, message, None, None)
+        made.task_name = task_name
+        return made
+
+    quiet = QuietCompletedRollouts()
+    assert not quiet.filter(record("Finished in state Completed()"))
+    assert quiet.filter(record("Finished in state Failed('Task run encountered an exception')", logging.ERROR))
+    assert quiet.filter(record("Finished in state Completed()", task_name="write-shard"))  # other tasks: kept
+    assert quiet.filter(record("Task run failed with exception: ... Retry 1/2 will start 5 second(s) from now",
+                               logging.ERROR))
+    quiet_completed_rollouts()
+    quiet_completed_rollouts()  # once per process, however many chunks call it
+    filters = logging.getLogger("prefect.task_runs").filters
+    assert sum(isinstance(f, QuietCompletedRollouts) for f in filters) == 1
+
+
+def test_write_shard_keeps_one_store_per_local_root_and_still_sees_commits_made_elsewhere(tmp_path):
+    from factory.synthetic import synthetic_groups
+
+    root = str(tmp_path / "store")
+    groups = list(synthetic_groups(2, group_size=2))
+    first = shards.write_shard(root, "r", "p", 0, groups)
+    assert shards.store_at(root) is shards.store_at(root)  # its parsed commit log is kept between commits
+    ShardStore(root).commit("r", "p", 1, groups)  # another writer (or process) commits chunk 1
+    again = shards.write_shard(root, "r", "p", 1, groups)
+    assert not first.skipped and again.skipped  # exactly once: the kept store read the other commit
+    assert ShardStore(root).count("r") == 2 * len(groups)
+    for i in range(shards._STORES_KEPT + 2):  # many roots: only the latest few are kept
+        shards.store_at(str(tmp_path / f"other-{i}"))
+    assert len(shards._stores) == shards._STORES_KEPT and root not in shards._stores
