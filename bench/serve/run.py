@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     n_single = 16 if args.smoke else max(64, n_list // 2)
     n_list = max(64, n_list // 64 * 64)
     load = Load(gzip=args.gzip, session_per_post=args.session_per_post, warmup=args.warmup, clients=args.clients)
+    later = "then nothing (--single-only)" if args.single_only else f"{n_list} groups 64 per request"
     if args.record or args.json_out or args.smoke:
         json_out = json_path("serve", args)
     else:
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
             Side("ours @ this tree", lambda: measure("ours", n_single, n_list, load, single_only=args.single_only))],
                          pairs=pairs_from(args), json_out=json_out)
         print_comparison(result, json_out=json_out, title=f"Ours vs ours from {tree}: {n_single} groups 1 per request, "
-                         f"{n_list} groups 64 per request, {load.clients} clients")
+                         f"{later}, {load.clients} clients")
         return
     with_atropos = not args.skip_atropos and atropos_available()
     if not with_atropos and not args.skip_atropos:
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     bodies_are = ("gzip-9" if load.gzip else "plain JSON") + (", a new session per post" if load.session_per_post
                                                                else ", one persistent session per client")
     print_comparison(result, json_out=json_out, title=(
-        f"Batching API: {n_single} groups 1 per request, {n_list} groups 64 per request, {load.clients} clients, "
+        f"Batching API: {n_single} groups 1 per request, {later}, {load.clients} clients, "
         f"{bodies_are}, warm-up {load.warmup} posts, {GROUP_SIZE}x{SEQ_LEN} tokens per group, drained in batches "
         f"of {BATCH}"))
 
