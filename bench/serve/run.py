@@ -5,6 +5,7 @@
     python -m bench.serve.run --pairs 5 --groups 2000
     ATROPOS_VENV=/work/.venv-atropos python -m bench.serve.run   # where the atroposlib venv already is
     python -m bench.serve.run --versus /tmp/base   # ours from another source tree vs this one, interleaved
+    python -m bench.serve.run --versus /tmp/base --single-only --groups 2000   # the one-group phase only (1000 posts)
     python -m bench.serve.run --smoke        # seconds: tiny load, one pair (ours only if the Atropos venv is absent)
     python -m bench.serve.run --rss 1000,10000   # ours: server RSS after ingesting that many groups (8 clients, 64/request)
     python -m bench.serve.run --queue-rss 10000,100000   # ours: server RSS with that many groups queued from a followed run
@@ -195,9 +196,11 @@ def atropos_command(port: int) -> list[str]:
     return [str(DEFAULT_VENV / "bin" / "run-api"), "--port", str(port)]
 
 
-def measure(name: str, n_single: int, n_list: int, load: Load, tree: str | None = None) -> dict[str, float]:
+def measure(name: str, n_single: int, n_list: int, load: Load, tree: str | None = None,
+            single_only: bool = False) -> dict[str, float]:
     """One fresh server of `name` ('ours' or 'atropos') through the whole load and a full drain; its metrics.
-    `tree`: ours from that source tree (first on the server's PYTHONPATH) instead of this one."""
+    `tree`: ours from that source tree (first on the server's PYTHONPATH) instead of this one. `single_only`: the
+    one-group posts only (no 64-group posts, no drain)."""
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as root:
         port = free_port()
         command = ours_command(port, root, tree) if name == "ours" else atropos_command(port)
@@ -220,6 +223,11 @@ def measure(name: str, n_single: int, n_list: int, load: Load, tree: str | None 
             cpu0 = cpu_s(pid)
             t_single = asyncio.run(post_all(api.url, singles, "/scored_data", load))
             cpu1 = cpu_s(pid)
+            if single_only:
+                sampler.stop()
+                return {"ingest groups/s (1 per request)": n_single / t_single,
+                        "server CPU ms per group (1 per request)": 1000 * (cpu1 - cpu0) / n_single,
+                        "server RSS MiB idle": rss_idle, "server RSS MiB after ingest": rss_mib(pid)}
             t_list = asyncio.run(post_all(api.url, lists, "/scored_data_list", load))
             cpu2 = cpu_s(pid)
             rss_ingested = rss_mib(pid)
@@ -325,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus", default=None, metavar="TREE",
                         help="ours only, two sides: ours from source tree TREE (e.g. `git archive` of a base commit, "
                         "with its built factory/serve/_numjson*.so) vs this tree, interleaved")
+    parser.add_argument("--single-only", action="store_true",
+                        help="only the one-group-per-request phase (half of --groups posts): no 64-group posts, no drain")
     parser.add_argument("--rss", default=None, help="comma-separated group counts: ours' RSS curve instead of the comparison")
     parser.add_argument("--queue-rss", default=None, help="comma-separated queued-group counts: ours' RSS with that many queued")
     args = parser.parse_args(argv)
@@ -338,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     n_single = 16 if args.smoke else max(64, n_list // 2)
     n_list = max(64, n_list // 64 * 64)
     load = Load(gzip=args.gzip, session_per_post=args.session_per_post, warmup=args.warmup, clients=args.clients)
+    later = "then nothing (--single-only)" if args.single_only else f"{n_list} groups 64 per request"
     if args.record or args.json_out or args.smoke:
         json_out = json_path("serve", args)
     else:
@@ -346,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         def ours_with(native: str) -> dict[str, float]:
             os.environ["FACTORY_NATIVE_JSON"] = native  # the server process inherits it
             try:
-                return measure("ours", n_single, n_list, load)
+                return measure("ours", n_single, n_list, load, single_only=args.single_only)
             finally:
                 os.environ.pop("FACTORY_NATIVE_JSON", None)
 
@@ -359,22 +370,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.versus:
         tree = str(Path(args.versus).resolve())
         result = compare("serve-versus", [
-            Side(f"ours @ {args.versus}", lambda: measure("ours", n_single, n_list, load, tree)),
-            Side("ours @ this tree", lambda: measure("ours", n_single, n_list, load))],
+            Side(f"ours @ {args.versus}", lambda: measure("ours", n_single, n_list, load, tree, args.single_only)),
+            Side("ours @ this tree", lambda: measure("ours", n_single, n_list, load, single_only=args.single_only))],
                          pairs=pairs_from(args), json_out=json_out)
         print_comparison(result, json_out=json_out, title=f"Ours vs ours from {tree}: {n_single} groups 1 per request, "
-                         f"{n_list} groups 64 per request, {load.clients} clients")
+                         f"{later}, {load.clients} clients")
         return
     with_atropos = not args.skip_atropos and atropos_available()
     if not with_atropos and not args.skip_atropos:
         print(f"[bench] no atroposlib venv at {DEFAULT_VENV} (python -m bench.atropos_venv makes it): ours only", file=sys.stderr)
-    sides = [Side("atroposlib 0.4.0", lambda: measure("atropos", n_single, n_list, load))] if with_atropos else []
-    sides.append(Side("rollout-factory", lambda: measure("ours", n_single, n_list, load)))
+    sides = [Side("atroposlib 0.4.0", lambda: measure("atropos", n_single, n_list, load, single_only=args.single_only))
+             ] if with_atropos else []
+    sides.append(Side("rollout-factory", lambda: measure("ours", n_single, n_list, load, single_only=args.single_only)))
     result = compare("serve", sides, pairs=pairs_from(args), json_out=json_out)
     bodies_are = ("gzip-9" if load.gzip else "plain JSON") + (", a new session per post" if load.session_per_post
                                                                else ", one persistent session per client")
     print_comparison(result, json_out=json_out, title=(
-        f"Batching API: {n_single} groups 1 per request, {n_list} groups 64 per request, {load.clients} clients, "
+        f"Batching API: {n_single} groups 1 per request, {later}, {load.clients} clients, "
         f"{bodies_are}, warm-up {load.warmup} posts, {GROUP_SIZE}x{SEQ_LEN} tokens per group, drained in batches "
         f"of {BATCH}"))
 

@@ -265,7 +265,7 @@ def create_app(config: ServeConfig, service: BatchService | None = None) -> Fast
             body = inflate_gzip(body, max_body)
         # Env names and policy versions are resolved here too, so the rows are built once, off the event loop.
         return decode_groups(body, many=many, strict=config.strict, idempotency_key=key, build=True, run_id=config.ingest_run,
-                             vocab_size=config.vocab_size, env_name=service.env_name, version=service.step)
+                             vocab_size=config.vocab_size, env_name=service.env_name, version=service.step, defer=True)
 
     async def ingest(body: bytes, gzipped: bool, key: str | None, many: bool) -> Response:
         """Store a /scored_data(_list) body (gzipped or not); the 200 comes once its groups are durable."""

@@ -44,6 +44,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -84,9 +85,14 @@ class Arrival:
     settled: bool = False
 
 
+Rows = Any
+"""A request's rows: a pa.RecordBatch, or rows `build_table` turns into Arrow columns (wire.DeferredRows); either
+has `num_rows`."""
+
+
 @dataclass
 class _Pending:
-    rows: pa.RecordBatch
+    rows: Rows
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -106,6 +112,7 @@ class GroupCommitter:
         concurrency: int = 1,
         linger_queued: bool = False,
         pipeline: bool = False,
+        build_table: Callable[[list[Rows]], pa.Table] | None = None,
     ) -> None:
         self.store, self.run_id, self.producer = store, run_id, producer
         self.on_commit = on_commit
@@ -115,6 +122,8 @@ class GroupCommitter:
         self.linger_queued = linger_queued
         self.concurrency = max(1, concurrency)
         self.pipeline = pipeline
+        self.build_table = build_table or pa.Table.from_batches
+        """A commit's rows (what was submitted, in order) as one table; called in the commit's thread."""
         self._encoding = 0  # commits whose shard is not yet encoded and written (pipeline: the next waits for none)
         self._answered: asyncio.Future[None] | None = None  # the last commit's: commits answer in the order they started
         self._running: set[asyncio.Task[None]] = set()
@@ -175,7 +184,7 @@ class GroupCommitter:
             self._settled += 1
             self._moved.set()
 
-    async def submit(self, rows: pa.RecordBatch, arrival: Arrival | None = None) -> None:
+    async def submit(self, rows: Rows, arrival: Arrival | None = None) -> None:
         """Return once `rows` are committed to a shard (raises if the commit failed)."""
         if self._task is None or self._task.done():
             raise RuntimeError("the group committer is not running; start the service before posting groups")
@@ -234,7 +243,7 @@ class GroupCommitter:
 
     async def _commit_and_answer(self, take: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
-        groups = pa.Table.from_batches([item.rows for item in take])
+        built: list[pa.Table] = []  # the commit's rows as one table, built in its thread
         encoding = [True]
         self._encoding += 1
         previous, answered = self._answered, loop.create_future()
@@ -244,7 +253,8 @@ class GroupCommitter:
             loop.call_soon_threadsafe(self._written, encoding)
 
         try:
-            record = await self._commit(groups, written)
+            record = await self._commit([item.rows for item in take], built, written)
+            groups = built[0]
             self._written(encoding)
             if previous is not None:  # served and answered in the order the commits started (set in a finally)
                 await asyncio.shield(previous)  # shielded: cancelling this commit does not end the one before's
@@ -252,10 +262,11 @@ class GroupCommitter:
             if asyncio.iscoroutine(result):
                 await result
         except Exception as error:  # noqa: BLE001 - every waiting request must learn the commit failed
+            count = sum(item.rows.num_rows for item in take)
             if isinstance(error, StoreError):  # a full or failing disk: the message names the path
-                logger.error("commit of %d posted groups failed: %s", groups.num_rows, error)
+                logger.error("commit of %d posted groups failed: %s", count, error)
             else:
-                logger.exception("commit of %d posted groups failed", groups.num_rows)
+                logger.exception("commit of %d posted groups failed", count)
             for item in take:
                 if not item.done.done():
                     item.done.set_exception(error)
@@ -277,24 +288,34 @@ class GroupCommitter:
             self._encoding -= 1
             self._wake.set()
 
-    async def _commit(self, groups: pa.Table, written: Callable[[], None] | None = None) -> CommitRecord:
+    async def _commit(self, parts: list[Rows], built: list[pa.Table], written: Callable[[], None] | None = None) -> CommitRecord:
+        """Commit `parts` as one shard; `built` gets their table (built in the commit's thread, once)."""
+        unbuilt = [parts]  # emptied once built: the thread's work item, which outlives the call a moment, keeps no rows
+        del parts
+
+        def build_and_commit(chunk: int) -> CommitRecord:
+            if not built:
+                built.append(self.build_table(unbuilt.pop()))
+            return self.store.commit(self.run_id, self.producer, chunk, built[0], row_group_groups=self.row_group_groups,
+                                     on_written=written)
+
         while True:
             chunk = self.next_chunk
             self.next_chunk += 1
             name = shard_name(self.producer, chunk)
             existed = self.store.record(self.run_id, name) is not None  # the log's new end only, no copy of every record
             try:
-                record = await asyncio.to_thread(
-                    self.store.commit, self.run_id, self.producer, chunk, groups, row_group_groups=self.row_group_groups,
-                    on_written=written,
-                )
+                record = await asyncio.to_thread(build_and_commit, chunk)
             except Exception:
                 # The commit log is the truth: a commit whose record is in it is stored, whatever was raised after.
+                if not built:  # the rows could not be built: nothing was written
+                    raise
                 logged = await asyncio.to_thread(self.store.committed, self.run_id)
                 record = logged.get(name)
-                if record is None or existed or record.rows != groups.num_rows:
+                if record is None or existed or record.rows != built[0].num_rows:
                     raise
                 logger.warning("the commit of chunk %d raised after its record was durable; counted as committed", chunk)
+            groups = built[0]
             if not record.skipped:
                 self.commits += 1
                 self._since_trim += groups.nbytes

@@ -288,11 +288,12 @@ class BatchService:
     async def _start_committer(self) -> None:
         def load() -> Any:
             from factory.serve.ingest import GroupCommitter
+            from factory.serve.wire import rows_table
 
             self.store  # noqa: B018 - imports pyarrow and the store here, not on the event loop
-            return GroupCommitter
+            return GroupCommitter, rows_table
 
-        committer_class = await asyncio.to_thread(load)
+        committer_class, rows_table = await asyncio.to_thread(load)
         if not self._running:
             raise RuntimeError("the group committer is not running; start the service before posting groups")
         committer = committer_class(
@@ -306,6 +307,7 @@ class BatchService:
             concurrency=self.config.commit_concurrency,
             linger_queued=self.config.commit_linger_queued,
             pipeline=self.config.commit_pipeline,
+            build_table=rows_table,  # posts' DeferredRows are built into Arrow columns once per commit
         )
         committer.start()
         self.committer = committer

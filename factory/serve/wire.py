@@ -100,8 +100,8 @@ class WireGroups:
     """Env names the client gave (None: the service names them from env_id)."""
     versions: list[int | None] = field(default_factory=list)
     """Policy versions the client gave (None: the service's current step)."""
-    rows: pa.RecordBatch | None = None
-    """With `build=True`: every group as GROUP_SCHEMA rows (env '' and version 0 where not given, unless resolved
+    rows: pa.RecordBatch | DeferredRows | None = None
+    """With `build=True`: every group as GROUP_SCHEMA rows (with `defer`, perhaps not built yet: `DeferredRows`) (env '' and version 0 where not given, unless resolved
     by `env_name` and `version`); `groups` is then empty."""
     resolved: bool = False
     """Whether `rows` carry the env names and policy versions the service resolves (decode_groups' `env_name`)."""
@@ -160,7 +160,7 @@ def _json_len(raw: msgspec.Raw) -> int | None:
 def decode_groups(
     body: bytes | memoryview, *, many: bool, strict: bool = False, idempotency_key: str | None = None, build: bool = False,
     run_id: str = "", vocab_size: int | None = None, env_name: Callable[[int | None], str] | None = None,
-    version: int = 0,
+    version: int = 0, defer: bool = False,
 ) -> WireGroups:
     """Decode and check a /scored_data (one object) or /scored_data_list (a list) body; raises WireError.
 
@@ -171,10 +171,12 @@ def decode_groups(
     `strict` bodies always go the general way, with msgspec's strict decoders and the value checks.
     With `env_name` (env_id -> name), rows of groups that name no env get that name, and groups without a
     policy_version get `version`: the rows are then final (`resolved`), built once, in the caller's thread.
+    With `defer` (and `build`), the rows of a body of fewer than DEFER_MAX_GROUPS groups that numjson read may be
+    `DeferredRows` instead: checked, not yet Arrow columns (`rows_table` builds them, a commit's at once).
     """
     if build and not strict and numjson.available():
         parsed = _decode_native(body, many=many, strict=strict, idempotency_key=idempotency_key, run_id=run_id,
-                                env_name=env_name, version=version)
+                                env_name=env_name, version=version, defer=defer)
         if parsed is not None:
             return parsed
     if not isinstance(body, bytes):  # a view of a reused buffer: msgspec's Raw fields must not point into it
@@ -360,7 +362,8 @@ _Parsed = tuple[np.ndarray, np.ndarray]
 
 
 def _decode_native(body: bytes | memoryview, *, many: bool, strict: bool, idempotency_key: str | None, run_id: str,
-                   env_name: Callable[[int | None], str] | None = None, version: int = 0) -> WireGroups | None:
+                   env_name: Callable[[int | None], str] | None = None, version: int = 0, defer: bool = False
+                   ) -> WireGroups | None:
     """decode_groups(build=True) with numjson, or None where the general path must decide."""
     read = numjson.read_body(body, many)
     if read is None:
@@ -396,13 +399,16 @@ def _decode_native(body: bytes | memoryview, *, many: bool, strict: bool, idempo
         parsed = _checked(groups, shapes, many=many, strict=strict, idempotency_key=idempotency_key)
     except WireError:
         return None
-    try:
-        lists = {name: _native_list_2d([fields[name] for fields in parsed_groups], pa.int32() if integers else pa.float64())
-                 for name, integers in _NATIVE_INTEGERS.items()}
-        parsed.rows = _build_rows(groups, parsed.ids, parsed.sizes, lists, run_id=run_id, envs=_envs(groups, env_name),
-                                  versions=_versions(groups, env_name, version))
-    except (pa.ArrowInvalid, OverflowError, TypeError):
-        return None
+    envs, versions = _envs(groups, env_name), _versions(groups, env_name, version)
+    if defer and len(groups) < DEFER_MAX_GROUPS:
+        parsed.rows = _deferred(groups, parsed, parsed_groups, run_id=run_id, envs=envs, versions=versions)
+    if parsed.rows is None:
+        try:
+            lists = {name: _native_list_2d([fields[name] for fields in parsed_groups], pa.int32() if integers else pa.float64())
+                     for name, integers in _NATIVE_INTEGERS.items()}
+            parsed.rows = _build_rows(groups, parsed.ids, parsed.sizes, lists, run_id=run_id, envs=envs, versions=versions)
+        except (pa.ArrowInvalid, OverflowError, TypeError):
+            return None
     parsed.groups, parsed.resolved = [], env_name is not None
     return parsed
 
@@ -483,31 +489,133 @@ _LIST_2D_TYPES = {"tokens": pa.int32(), "masks": pa.int32(), "advantages": pa.fl
 def _build_rows(groups: list[Any], ids: list[str], sizes: list[int], lists: dict[str, pa.Array], *, run_id: str,
                 envs: list[str], versions: list[int]) -> pa.RecordBatch:
     """GROUP_SCHEMA rows from decoded groups whose 2-D numeric columns (`lists`) are already built."""
+    return _assemble(ids, run_id=run_id, envs=envs, item_keys=[g.item_key or "" for g in groups], versions=versions,
+                     sizes=sizes, scores=[g.scores for g in groups], env_ids=[g.env_id for g in groups], lists=lists,
+                     texts={name: [_text(getattr(g, name)) for g in groups] for name in JSON_TEXT_FIELDS},
+                     distill={name: [getattr(g, name) for g in groups] for name in _DISTILL_FIELDS})
+
+
+_DISTILL_FIELDS = ("distill_token_ids", "distill_logprobs")
+
+
+def _assemble(ids: list[str], *, run_id: str, envs: list[str], item_keys: list[str], versions: list[int], sizes: list[int],
+              scores: list[list[float]], env_ids: list[int | None], lists: dict[str, pa.Array],
+              texts: dict[str, list[str | None]], distill: dict[str, list[Any]] | None) -> pa.RecordBatch:
+    """GROUP_SCHEMA rows, column by column (`distill` None: no group has those fields)."""
+    count = len(ids)
     now = datetime.now(timezone.utc)
     columns: dict[str, pa.Array] = {
         "group_id": pa.array(ids, pa.string()),
-        "run_id": pa.array([run_id] * len(groups), pa.string()),
+        "run_id": pa.array([run_id] * count, pa.string()),
         "env": pa.array(envs, pa.string()),
-        "item_key": pa.array([g.item_key or "" for g in groups], pa.string()),
+        "item_key": pa.array(item_keys, pa.string()),
         "policy_version": pa.array(versions, pa.int64()),
-        "created_at": pa.array([now] * len(groups), pa.timestamp("us", tz="UTC")),
+        "created_at": pa.array([now] * count, pa.timestamp("us", tz="UTC")),
         "group_size": pa.array(sizes, pa.int32()),
-        "scores": _flat_list([g.scores for g in groups], pa.float64()),
-        "env_id": pa.array([g.env_id for g in groups], pa.int64()),
+        "scores": _flat_list(scores, pa.float64()),
+        "env_id": pa.array(env_ids, pa.int64()),
         **lists,
     }
-    for name in JSON_TEXT_FIELDS:
-        texts = [_text(getattr(g, name)) for g in groups]
-        columns[name] = pa.array(texts, pa.large_string()) if any(t is not None for t in texts) else pa.nulls(len(groups), pa.large_string())
-    for name in ("distill_token_ids", "distill_logprobs"):
-        values, kind = [getattr(g, name) for g in groups], GROUP_SCHEMA.field(name).type
-        columns[name] = pa.array(values, kind) if any(v is not None for v in values) else pa.nulls(len(groups), kind)
-    columns["difficulty"] = pa.nulls(len(groups), pa.int32())  # a factory-only field; Atropos envs never send it
+    for name, values in texts.items():
+        columns[name] = pa.array(values, pa.large_string()) if any(t is not None for t in values) else pa.nulls(count, pa.large_string())
+    for name in _DISTILL_FIELDS:
+        values, kind = distill[name] if distill is not None else None, GROUP_SCHEMA.field(name).type
+        columns[name] = pa.array(values, kind) if values is not None and any(v is not None for v in values) else pa.nulls(count, kind)
+    columns["difficulty"] = pa.nulls(count, pa.int32())  # a factory-only field; Atropos envs never send it
     return pa.RecordBatch.from_arrays([columns[f.name] for f in GROUP_SCHEMA], schema=GROUP_SCHEMA)
 
 
-def stamp(rows: pa.RecordBatch, keep: list[int], envs: list[str], versions: list[int]) -> pa.RecordBatch:
+DEFER_MAX_GROUPS = 8
+"""Bodies of fewer groups than this are left as `DeferredRows` by decode_groups(defer=True)."""
+_INT64_MAX = (1 << 63) - 1
+
+
+@dataclass
+class DeferredRows:
+    """The GROUP_SCHEMA rows of a small post, decoded and checked but not yet Arrow columns: `rows_table` builds the
+    columns of all such posts of a commit at once.
+
+    Building one row's 22 Arrow columns costs ~0.35-0.45 ms of fixed per-call work (a pa.array call per column, the
+    2-D lists' offsets), about as much as numjson's parse of the whole one-group body; a commit of one-group posts
+    pays it once instead of once per post (bench/RESULTS.md, issue 29, "One group per request: rows built once per
+    commit"). Everything that can refuse a post (types, lengths, JSON, text, integer ranges) is checked before a
+    post becomes one, so building them cannot fail a commit for one post's content."""
+
+    ids: list[str]
+    run_id: str
+    envs: list[str]
+    item_keys: list[str]
+    versions: list[int]
+    sizes: list[int]
+    scores: list[list[float]]
+    env_ids: list[int | None]
+    lists: dict[str, list[_Parsed | None]]
+    texts: dict[str, list[str | None]]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    def select(self, keep: list[int], envs: list[str], versions: list[int]) -> DeferredRows:
+        """Rows `keep`, with the env names and policy versions the service resolved."""
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in keep]
+
+        return DeferredRows(pick(self.ids), self.run_id, list(envs), pick(self.item_keys), list(versions), pick(self.sizes),
+                            pick(self.scores), pick(self.env_ids), {k: pick(v) for k, v in self.lists.items()},
+                            {k: pick(v) for k, v in self.texts.items()})
+
+
+def _deferred(groups: list[Any], parsed: WireGroups, fields: list[dict[str, _Parsed | None]], *, run_id: str,
+              envs: list[str], versions: list[int]) -> DeferredRows | None:
+    """The rows of `groups` as DeferredRows, or None where they should be built now (distillation fields, or an
+    integer outside int64: built now, their problems are the post's own)."""
+    if any(g.distill_token_ids is not None or g.distill_logprobs is not None for g in groups):
+        return None
+    if any(v > _INT64_MAX for v in versions) or any(
+            g.env_id is not None and not -_INT64_MAX - 1 <= g.env_id <= _INT64_MAX for g in groups):
+        return None
+    return DeferredRows(
+        list(parsed.ids), run_id, envs, [g.item_key or "" for g in groups], versions, list(parsed.sizes),
+        [g.scores for g in groups], [g.env_id for g in groups],
+        {name: [f[name] for f in fields] for name in _NATIVE_INTEGERS},
+        {name: [_text(getattr(g, name)) for g in groups] for name in JSON_TEXT_FIELDS})
+
+
+def rows_table(parts: list[pa.RecordBatch | DeferredRows]) -> pa.Table:
+    """One table of a commit's rows, in order: runs of DeferredRows are built into one record batch each."""
+    batches: list[pa.RecordBatch] = []
+    run: list[DeferredRows] = []
+    for part in [*parts, None]:
+        if isinstance(part, DeferredRows):
+            run.append(part)
+            continue
+        if run:
+            batches.append(_deferred_batch(run))
+            run = []
+        if part is not None:
+            batches.append(part)
+    return pa.Table.from_batches(batches, schema=GROUP_SCHEMA)
+
+
+def _deferred_batch(parts: list[DeferredRows]) -> pa.RecordBatch:
+    def joined(values: Callable[[DeferredRows], list[Any]]) -> list[Any]:
+        return [value for part in parts for value in values(part)] if len(parts) > 1 else values(parts[0])
+
+    return _assemble(
+        joined(lambda p: p.ids), run_id=parts[0].run_id, envs=joined(lambda p: p.envs), item_keys=joined(lambda p: p.item_keys),
+        versions=joined(lambda p: p.versions), sizes=joined(lambda p: p.sizes), scores=joined(lambda p: p.scores),
+        env_ids=joined(lambda p: p.env_ids),
+        lists={name: _native_list_2d(joined(lambda p: p.lists[name]), pa.int32() if integers else pa.float64())
+               for name, integers in _NATIVE_INTEGERS.items()},
+        texts={name: joined(lambda p: p.texts[name]) for name in JSON_TEXT_FIELDS}, distill=None)
+
+
+def stamp(rows: pa.RecordBatch | DeferredRows, keep: list[int], envs: list[str], versions: list[int]
+          ) -> pa.RecordBatch | DeferredRows:
     """Rows `keep` of `rows`, with the env names and policy versions the service resolved."""
+    if isinstance(rows, DeferredRows):
+        return rows.select(keep, envs, versions)
     if len(keep) != rows.num_rows:
         rows = rows.take(pa.array(keep, pa.int64()))
     columns = list(rows.columns)

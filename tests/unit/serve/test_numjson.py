@@ -8,11 +8,12 @@ import struct
 
 import msgspec
 import orjson
+import pyarrow as pa
 import pytest
 
 from bench.serve.run import make_groups
 from factory.serve import numjson
-from factory.serve.wire import WireError, decode_groups
+from factory.serve.wire import DeferredRows, WireError, decode_groups, rows_table, stamp
 
 pytestmark = pytest.mark.skipif(not numjson.available(), reason="no C compiler on this machine")
 
@@ -144,12 +145,13 @@ def test_whole_bodies_are_read_in_one_pass():
         assert numjson.read_body(body, False) is None
 
 
-def _decoded(body: bytes, many: bool, *, strict: bool = False):
+def _decoded(body: bytes, many: bool, *, strict: bool = False, defer: bool = False):
     try:
-        parsed = decode_groups(body, many=many, strict=strict, build=True, run_id="api", idempotency_key=None)
+        parsed = decode_groups(body, many=many, strict=strict, build=True, run_id="api", idempotency_key=None, defer=defer)
     except WireError as error:
         return ("refused", error.detail)
-    rows = parsed.rows.drop_columns(["created_at"])
+    rows = rows_table([parsed.rows]) if isinstance(parsed.rows, DeferredRows) else parsed.rows
+    rows = rows.drop_columns(["created_at"])
     ids = [i if known else "fresh" for i, known in zip(parsed.ids, parsed.identified)]
     rows = rows.drop_columns(["group_id"])
     return (rows.to_pylist(), ids, dict(parsed.unaligned), parsed.unaligned_by_group, parsed.sizes, parsed.env_ids,
@@ -163,6 +165,47 @@ def test_native_ingest_gives_what_the_general_path_gives(general_path, body, man
     expected = _decoded(body, many, strict=strict)
     general_path(True)
     assert _decoded(body, many, strict=strict) == expected
+    assert _decoded(body, many, strict=strict, defer=True) == expected
+
+
+def test_rows_built_per_commit_are_the_rows_built_per_post():
+    """DeferredRows (small posts, built once per commit by rows_table) give the rows each post would have been built
+    into, in order, also around posts built already and after the service's stamp of env names and versions."""
+    groups = make_groups(7)
+    groups[1]["env"], groups[2]["policy_version"], groups[3]["item_key"] = "named", 3, "k3"
+    groups[4]["inference_logprobs"] = None
+    groups[5]["messages"] = None
+    bodies = [orjson.dumps(groups[0]), orjson.dumps(groups[1:3]), orjson.dumps(groups[3]), orjson.dumps(groups[4:7])]
+    options = dict(build=True, run_id="api", idempotency_key=None, env_name=lambda env_id: "resolved", version=2)
+    eager = [decode_groups(body, many=i % 2 == 1, **options) for i, body in enumerate(bodies)]
+    deferred = [decode_groups(body, many=i % 2 == 1, defer=True, **options) for i, body in enumerate(bodies)]
+    assert [type(p.rows) for p in deferred] == [DeferredRows] * 4
+    parts = [deferred[0].rows, deferred[1].rows, eager[2].rows, stamp(deferred[3].rows, [0, 2], ["x", "y"], [5, 6])]
+    expected = [eager[0].rows, eager[1].rows, eager[2].rows, stamp(eager[3].rows, [0, 2], ["x", "y"], [5, 6])]
+
+    def comparable(table):
+        return table.drop_columns(["created_at", "group_id"]).to_pylist()
+
+    built = rows_table(parts)
+    assert built.num_rows == 6 == sum(part.num_rows for part in parts)
+    assert comparable(built) == comparable(pa.Table.from_batches(expected))
+    ids = [*deferred[0].ids, *deferred[1].ids, *eager[2].ids, deferred[3].ids[0], deferred[3].ids[2]]
+    assert built.column("group_id").to_pylist() == ids
+
+
+def test_posts_that_could_fail_a_shared_build_are_built_at_once():
+    """A post whose rows might not build (distillation fields; an integer outside int64) is built in its own
+    thread as before, so that its problem is its own 422 and never a failed commit of other posts."""
+    group = make_groups(1)[0]
+    options = dict(build=True, run_id="api", defer=True)
+    assert isinstance(decode_groups(orjson.dumps(group), many=False, **options).rows, DeferredRows)
+    distilled = {**group, "distill_token_ids": [[[1]] * len(seq) for seq in group["tokens"]],
+                 "distill_logprobs": [[[-0.5]] * len(seq) for seq in group["tokens"]]}
+    assert isinstance(decode_groups(orjson.dumps(distilled), many=False, **options).rows, pa.RecordBatch)
+    huge = {**group, "policy_version": 1 << 63}
+    parsed = _decoded(orjson.dumps(huge), False, defer=True)
+    assert parsed == _decoded(orjson.dumps(huge), False)
+    assert isinstance(decode_groups(orjson.dumps(make_groups(8)), many=True, **options).rows, pa.RecordBatch)
 
 
 def test_without_the_library_ingest_still_works(general_path):
