@@ -283,7 +283,7 @@ class DatagenRun:
         """The next chunks to generate in one rollout task run (consecutive, at least one), after committing what
         the window holds back and any backpressure pause; None when every chunk is planned, the target is reached,
         or a stop signal came."""
-        while self.window.full() and not self.stopping:
+        while self.window and not self.stopping and (self.window.full() or not self._plan_final(self.sampler.peek_chunk())):
             self._commit_oldest()
         if self.stopping:
             return None
@@ -318,10 +318,14 @@ class DatagenRun:
         items = self.window.items() + sum(len(planned.indices) for planned in chunks)
         if self.stopping or self.sampler.enough_in_flight(items):
             return False
-        following = self.sampler.peek_chunk()
-        if following is None or not self.sampler.plan_final(following):
+        if self.sampler.peek_chunk() is None or not self._plan_final(self.sampler.peek_chunk()):
             return False
         return self.backpressure is None or not self.backpressure.would_wait(items)
+
+    def _plan_final(self, chunk: int | None) -> bool:
+        """Whether chunk `chunk` (None: there is none) may be drawn now: with a curriculum, only once chunk - lag
+        is committed (one chunk per task run: always, the window holds fewer than lag chunks)."""
+        return chunk is None or self.sampler.plan_final(chunk)
 
     def in_flight(self, chunks: list[PlannedChunk], grouped: Any) -> None:
         """A rollout task run for `chunks` was submitted; `grouped` is its future (one chunk's groups per chunk).

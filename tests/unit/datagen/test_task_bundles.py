@@ -90,8 +90,8 @@ def _planning_run(tmp_path, *, total_items=400, chunk_items=4, target_groups=Non
     run.committer = SimpleNamespace(session=Counter(generate_ms=generate_ms, chunks=chunks))
     run.committed = []
     run.polls, run.stopping_after = 0, stopping_after
+    run._commit = lambda chunk, grouped: (run.committed.append((chunk, grouped)), sampler.committed_chunks.add(chunk))
     run.ops = SimpleNamespace(check_prefect_api=lambda: None, result=lambda future: future.result())
-    run._commit = lambda chunk, grouped: run.committed.append((chunk, grouped))
     return run
 
 
@@ -187,5 +187,9 @@ def test_with_a_curriculum_a_chunk_joins_a_task_run_only_once_its_plan_is_final(
     run.sampler.curriculum = SimpleNamespace(plan=lambda: {"f": 1})  # plan_for: the initial plan before any commit
     assert [run.sampler.plan_final(k) for k in range(4)] == [True, True, False, False]
     assert [p.chunk for p in run.plan_next()] == [0, 1]  # chunk 2 needs chunk 0 committed
-    run.sampler.committed_chunks.update({0, 1})
-    assert [p.chunk for p in run.plan_next()] == [2, 3]
+    run.in_flight([PlannedChunk(0, range(0, 4)), PlannedChunk(1, range(4, 8))], FakeFuture(["g0", "g1"]))
+    assert [p.chunk for p in run.plan_next()] == [2]  # chunk 0 committed first (chunk 2's plan), chunk 1 not yet
+    assert run.committed == [(0, "g0")] and run.window.chunks() == [1]
+    run.in_flight([PlannedChunk(2, range(8, 12))], FakeFuture(["g2"]))
+    assert [p.chunk for p in run.plan_next()] == [3]  # after committing chunk 1; chunk 4 would need chunk 2
+    assert run.committed == [(0, "g0"), (1, "g1")]
