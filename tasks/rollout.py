@@ -74,7 +74,8 @@ def rollout_run_name(parameters: dict[str, Any]) -> str:
 
 
 def retry_unless_endpoints_down(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition: a task run's chunks are retried, unless every endpoint has been down for openai.down_after_s."""
+    """Prefect retry condition: a task run (all its chunks) is retried, unless every endpoint has been down for
+    openai.down_after_s."""
     return not isinstance(getattr(state, "data", None), EndpointsDown)
 
 

@@ -283,7 +283,8 @@ class DatagenRun:
         """The next chunks to generate in one rollout task run (consecutive, at least one), after committing what
         the window holds back and any backpressure pause; None when every chunk is planned, the target is reached,
         or a stop signal came."""
-        while self.window and not self.stopping and (self.window.full() or not self._plan_final(self.sampler.peek_chunk())):
+        while self.window and not self.stopping and (self.window.full()
+                                                     or not self._plan_final(self.sampler.peek_chunk())):
             self._commit_oldest()
         if self.stopping:
             return None
