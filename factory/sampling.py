@@ -132,16 +132,23 @@ class DynamicSampling:
 
     def next_chunk(self) -> int | None:
         """The next chunk to draw, or None when the run is done (target reached, items used up)."""
+        chunk = self.peek_chunk()
+        if chunk is not None:
+            if self.target is None:
+                self._fixed_todo.pop(0)
+            else:
+                self._next = chunk + 1
+        return chunk
+
+    def peek_chunk(self) -> int | None:
+        """What `next_chunk` would return, without drawing it."""
         if self.target is None:
-            return self._fixed_todo.pop(0) if self._fixed_todo else None
+            return self._fixed_todo[0] if self._fixed_todo else None
         if self.target_reached():
             return None
         while self._next in self.committed_chunks:
             self._next += 1
-        if self._next >= self.n_chunks:
-            return None
-        chunk, self._next = self._next, self._next + 1
-        return chunk
+        return self._next if self._next < self.n_chunks else None
 
     def enough_in_flight(self, in_flight_items: int) -> bool:
         """Whether the chunks in flight are expected to reach the target (so wait for them before drawing more)."""
@@ -149,6 +156,12 @@ class DynamicSampling:
             return False
         kept_per_item = self.committed_groups / self.committed_items
         return self.committed_groups + kept_per_item * in_flight_items >= self.target
+
+    def plan_final(self, chunk: int) -> bool:
+        """Whether `plan_for(chunk)` is already what an uninterrupted run and a rerun draw chunk `chunk` with: no
+        curriculum, or chunk - lag committed (or before the first chunk). A rollout task run covering several chunks
+        adds a chunk only then, so its items stay a pure function of the seed, the chunk and the committed state."""
+        return self.curriculum is None or chunk - self.lag < 0 or chunk - self.lag in self.committed_chunks
 
     def plan_for(self, chunk: int) -> dict[str, Any] | None:
         """The curriculum plan chunk `chunk` is drawn with: the state after committed chunks <= chunk - lag."""

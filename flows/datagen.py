@@ -53,15 +53,15 @@ def datagen_pipeline(ref: str, config: dict[str, Any]) -> dict[str, Any]:
         # Start the scorer processes now, while the first chunk is generating.
         threading.Thread(target=ScorerPool.get, args=(d.score_workers,), daemon=True).start()
     # Plan commits the chunks the in-flight window holds back and waits out backpressure; None: done or stopping.
-    while (planned := run.plan_next()) is not None:
-        # generate -> score -> group: one task run per chunk, on the worker that generates it
+    while (chunks := run.plan_next()) is not None:
+        # generate -> score -> group, chunk by chunk, in one task run on one worker (as many chunks as make
+        # datagen.min_task_s of work: a task run costs the flow ~17 ms)
         grouped = rollout_task.submit(
-            run.spec, run.env_name, planned.chunk, planned.indices, cfg.openai,
-            generate=dict(tokenizer_name=cfg.env.tokenizer_name, api=d.sampling_api, max_in_flight=d.max_in_flight,
-                          plan=planned.plan),
+            run.spec, run.env_name, [(planned.chunk, planned.indices, planned.plan) for planned in chunks], cfg.openai,
+            generate=dict(tokenizer_name=cfg.env.tokenizer_name, api=d.sampling_api, max_in_flight=d.max_in_flight),
             score=dict(timeout_s=d.score_timeout_s, workers=d.score_workers, mode=run.score_mode),
             group=run.group_options)
-        run.in_flight(planned, grouped)  # committed in order, in this process (write_shard_retrying)
+        run.in_flight(chunks, grouped)  # committed in order, one shard per chunk, in this process
     run.commit_remaining()  # after a stop signal: only the chunks that finish within the grace period
     return run.outcome()
 

@@ -1,11 +1,13 @@
-"""One chunk's rollouts: generate -> score -> group, as one Prefect task run.
+"""Chunks' rollouts: generate -> score -> group per chunk, consecutive chunks in one Prefect task run.
 
 The three steps are the plain functions of tasks/generate.py, tasks/score.py and tasks/group.py, called in
 order on the worker that generated the chunk. They used to be three task runs per chunk (four with the shard
 commit): each task run costs the flow ~8-10 ms of Prefect engine CPU (90-160 ms through prefect-dask) and the
 Prefect server ~57 ms of CPU, which on an 8-item chunk was a third of the flow's CPU and half a core of the local
 server during the RL loop (bench/RESULTS.md, issues 25 and 33). One run per chunk also keeps a chunk's rollouts
-on the worker that made them until they are grouped.
+on the worker that made them until they are grouped. A task run still costs the flow ~17 ms of CPU, several
+times a 100-item chunk's work against a fast server, so one run covers as many chunks as make `datagen.min_task_s`
+of work (factory/datagen/run.py); each chunk is still committed as its own shard.
 """
 
 from __future__ import annotations
@@ -56,12 +58,28 @@ def rollout_chunk(spec: EnvSpec, env: str, chunk: int, indices: Sequence[int], o
     return group_generated(env, scored, **group)
 
 
+def rollout_chunks(spec: EnvSpec, env: str, chunks: Sequence[tuple[int, Sequence[int], dict[str, Any] | None]],
+                   openai: InferenceConfig, *, generate: dict[str, Any], score: dict[str, Any],
+                   group: dict[str, Any]) -> list[GroupedChunk]:
+    """`rollout_chunk` for each (chunk, indices, curriculum plan or None) in order: one grouped chunk per chunk."""
+    return [rollout_chunk(spec, env, chunk, indices, openai, generate={**generate, "plan": plan}, score=score,
+                          group=group)
+            for chunk, indices, plan in chunks]
+
+
+def rollout_run_name(parameters: dict[str, Any]) -> str:
+    """rollout-<env>-<first chunk>-<last chunk>."""
+    chunks = parameters["chunks"]
+    return f"{ROLLOUT_TASK}-{parameters['env']}-{chunks[0][0]}-{chunks[-1][0]}"
+
+
 def retry_unless_endpoints_down(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition: a chunk is retried, unless every endpoint has been down for openai.down_after_s."""
+    """Prefect retry condition: a task run (all its chunks) is retried, unless every endpoint has been down for
+    openai.down_after_s."""
     return not isinstance(getattr(state, "data", None), EndpointsDown)
 
 
 rollout_task = task(
-    logs_to_task_run(rollout_chunk), name=ROLLOUT_TASK, task_run_name="rollout-{env}-{chunk}", retries=2,
+    logs_to_task_run(rollout_chunks), name=ROLLOUT_TASK, task_run_name=rollout_run_name, retries=2,
     retry_delay_seconds=[5, 30], cache_policy=NO_CACHE, retry_condition_fn=retry_unless_endpoints_down,
 )

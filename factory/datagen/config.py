@@ -35,7 +35,13 @@ class DatagenSettings(FactoryConfig):
                                       "default ./run-files; keep it for a resume. Unused for a local store_root.")
     producer: str | None = Field(None, description="Producer name in shard names; default: the environment's name.")
     chunk_items: int = Field(100, ge=1, description="Items per chunk: a chunk is one shard (rollouts saved every N items).")
-    chunks_in_flight: int = Field(2, ge=1, description="Chunks in the pipeline at once (generation overlaps scoring).")
+    chunks_in_flight: int = Field(2, ge=1, description="Rollout task runs in the pipeline at once (generation "
+                                  "overlaps committing); each covers one or more chunks (min_task_s).")
+    min_task_s: float = Field(1.0, ge=0, description="A rollout task run covers consecutive chunks until their "
+                              "expected time (this session's measured seconds per chunk) reaches this, so Prefect's "
+                              "~10-20 ms per task run stays small; each chunk is still its own shard. 0: one chunk "
+                              "per task run. The first task runs are one chunk each, until a chunk is measured.")
+    max_task_chunks: int = Field(32, ge=1, description="Most chunks one rollout task run covers (see min_task_s).")
     max_in_flight: int = Field(64, ge=1, description="Items sampled concurrently within a chunk.")
     sampling_api: SamplingApi = Field("auto", description="generate (token in/out), chat, or auto (by openai.server_type).")
     score_mode: Literal["auto", "process", "inline"] = Field(

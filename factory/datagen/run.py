@@ -15,6 +15,7 @@ is decided in `DatagenRun.outcome` only.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -47,36 +48,87 @@ class PlannedChunk:
     plan: dict[str, Any] | None = None
 
 
+class ChunkOfTask:
+    """Chunk `index` of a rollout task run that covers several chunks: that run's future, seen as one chunk's
+    (`result`, `wait`, `state`), so committing and stop handling stay per chunk."""
+
+    def __init__(self, future: Any, index: int) -> None:
+        self.future, self.index = future, index
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.future.result(timeout=timeout)[self.index]
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.future.wait(timeout)
+
+    @property
+    def state(self) -> Any:
+        return self.future.state
+
+
 class ChunksInFlight:
-    """Chunks submitted and not committed yet, oldest first, each with the future (or value) of its groups."""
+    """Chunks submitted and not committed yet, oldest first, each with the future (or value) of its groups.
+
+    `limit` counts rollout task runs, each covering one or more consecutive chunks (`add_task`): the window is
+    full while it holds `limit` task runs, so generating task run k+1 overlaps committing task run k."""
 
     def __init__(self, limit: int, sampler: DynamicSampling) -> None:
         self.limit = limit
         self.sampler = sampler
-        self._chunks: deque[tuple[PlannedChunk, Any]] = deque()
+        self._chunks: deque[tuple[PlannedChunk, Any, int]] = deque()  # (chunk, future, its task run's number)
+        self._chunks_left: Counter[int] = Counter()  # task run number -> its chunks not popped yet
+        self._tasks = 0
 
     def __len__(self) -> int:
         return len(self._chunks)
 
     def add(self, planned: PlannedChunk, grouped: Any) -> None:
-        self._chunks.append((planned, grouped))
+        """One task run of one chunk whose future (or value) `grouped` is the chunk's groups."""
+        self._add([(planned, grouped)])
+
+    def add_task(self, chunks: list[PlannedChunk], grouped: Any) -> None:
+        """The chunks of one task run whose future `grouped` gives their groups as a list, one per chunk."""
+        self._add([(planned, ChunkOfTask(grouped, index)) for index, planned in enumerate(chunks)])
+
+    def _add(self, chunks: list[tuple[PlannedChunk, Any]]) -> None:
+        self._tasks += 1
+        self._chunks.extend((planned, grouped, self._tasks) for planned, grouped in chunks)
+        self._chunks_left[self._tasks] = len(chunks)
 
     def items(self) -> int:
-        return sum(len(planned.indices) for planned, _ in self._chunks)
+        return sum(len(planned.indices) for planned, _, _ in self._chunks)
+
+    def tasks(self) -> int:
+        """Task runs in flight."""
+        return len(self._chunks_left)
 
     def full(self) -> bool:
-        """Whether the oldest chunk must be committed before another is planned: the window holds `limit` chunks,
-        or the items in flight may already reach the target."""
-        return bool(self._chunks) and (len(self._chunks) >= self.limit or self.sampler.enough_in_flight(self.items()))
+        """Whether the oldest chunk must be committed before another is planned: the window holds `limit` task
+        runs, or the items in flight may already reach the target."""
+        return bool(self._chunks) and (self.tasks() >= self.limit or self.sampler.enough_in_flight(self.items()))
 
     def oldest(self) -> Any:
         return self._chunks[0][1]
 
     def pop(self) -> tuple[PlannedChunk, Any]:
-        return self._chunks.popleft()
+        planned, grouped, task = self._chunks.popleft()
+        self._chunks_left[task] -= 1
+        if not self._chunks_left[task]:
+            del self._chunks_left[task]
+        return planned, grouped
 
     def chunks(self) -> list[int]:
-        return [planned.chunk for planned, _ in self._chunks]
+        return [planned.chunk for planned, _, _ in self._chunks]
+
+
+def chunks_per_task(min_task_s: float, seconds_per_chunk: float | None, most: int) -> int:
+    """How many consecutive chunks one rollout task run should cover: enough that their expected time reaches
+    `min_task_s` (at most `most`); 1 before any chunk is measured (None) or with min_task_s 0."""
+    if min_task_s <= 0 or seconds_per_chunk is None:
+        return 1
+    if seconds_per_chunk <= 0:
+        return most
+    return max(1, min(most, math.ceil(min_task_s / seconds_per_chunk)))
 
 
 class ChunkCommitter:
@@ -161,7 +213,7 @@ def artifact_key(run_id: str, what: str) -> str:
 class DatagenRun:
     """One flow run of the datagen pipeline: everything but the data path itself.
 
-    The flow asks `plan_next` for chunks, submits generate -> score -> group for each and hands the grouped
+    The flow asks `plan_next` for chunks, submits one generate -> score -> group task run for them and hands its
     future to `in_flight`; committing happens here, oldest first, as the window fills, before a backpressure
     pause, and in `commit_remaining` at the end. `outcome` decides how the run ends.
     """
@@ -227,10 +279,12 @@ class DatagenRun:
 
     # ---- plan -------------------------------------------------------------------------------------------------
 
-    def plan_next(self) -> PlannedChunk | None:
-        """The next chunk to generate, after committing what the window holds back and any backpressure pause;
-        None when every chunk is planned, the target is reached, or a stop signal came."""
-        while self.window.full() and not self.stopping:
+    def plan_next(self) -> list[PlannedChunk] | None:
+        """The next chunks to generate in one rollout task run (consecutive, at least one), after committing what
+        the window holds back and any backpressure pause; None when every chunk is planned, the target is reached,
+        or a stop signal came."""
+        while self.window and not self.stopping and (self.window.full()
+                                                     or not self._plan_final(self.sampler.peek_chunk())):
             self._commit_oldest()
         if self.stopping:
             return None
@@ -245,11 +299,39 @@ class DatagenRun:
                 while self.window:
                     self._commit_oldest()
             self.committer.session["paused_ms"] += round(self.backpressure.wait(self.logger) * 1000)
-        return PlannedChunk(chunk, indices, self.sampler.plan_for(chunk))
+        chunks = [PlannedChunk(chunk, indices, self.sampler.plan_for(chunk))]
+        wanted = chunks_per_task(self.cfg.datagen.min_task_s, self.seconds_per_chunk(),
+                                 self.cfg.datagen.max_task_chunks)
+        while len(chunks) < wanted and self._may_add_chunk(chunks):
+            chunk = self.sampler.next_chunk()
+            chunks.append(PlannedChunk(chunk, self.sampler.indices(chunk), self.sampler.plan_for(chunk)))
+        return chunks
 
-    def in_flight(self, planned: PlannedChunk, grouped: Any) -> None:
-        """A chunk's rollout task was submitted; it is committed in order by `plan_next` or `commit_remaining`."""
-        self.window.add(planned, grouped)
+    def seconds_per_chunk(self) -> float | None:
+        """Mean generation seconds of the chunks committed this session; None before the first."""
+        session = self.committer.session
+        return session["generate_ms"] / 1000 / session["chunks"] if session["chunks"] else None
+
+    def _may_add_chunk(self, chunks: list[PlannedChunk]) -> bool:
+        """Whether the task run being planned may cover one more chunk: not when the target is expected from what
+        is in flight and planned, the next chunk's curriculum plan is not final yet, the flow would pause for
+        backpressure, or a stop signal came."""
+        items = self.window.items() + sum(len(planned.indices) for planned in chunks)
+        if self.stopping or self.sampler.enough_in_flight(items):
+            return False
+        if self.sampler.peek_chunk() is None or not self._plan_final(self.sampler.peek_chunk()):
+            return False
+        return self.backpressure is None or not self.backpressure.would_wait(items)
+
+    def _plan_final(self, chunk: int | None) -> bool:
+        """Whether chunk `chunk` (None: there is none) may be drawn now: with a curriculum, only once chunk - lag
+        is committed (one chunk per task run: always, the window holds fewer than lag chunks)."""
+        return chunk is None or self.sampler.plan_final(chunk)
+
+    def in_flight(self, chunks: list[PlannedChunk], grouped: Any) -> None:
+        """A rollout task run for `chunks` was submitted; `grouped` is its future (one chunk's groups per chunk).
+        They are committed in order, one shard per chunk, by `plan_next` or `commit_remaining`."""
+        self.window.add_task(chunks, grouped)
 
     # ---- commit -----------------------------------------------------------------------------------------------
 

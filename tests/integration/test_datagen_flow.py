@@ -104,3 +104,34 @@ def test_kill_9_mid_run_then_rerun_loses_nothing_and_duplicates_nothing(prefect_
     assert len({g.group_id for g in groups}) == 40
     assert len({g.item_key for g in groups}) == len({g.item_key for g in groups})
     assert store.verify("killed") == []
+
+
+def test_fast_chunks_share_a_rollout_task_run_and_each_is_still_its_own_shard(prefect_server, policy_server, tmp_path):
+    """datagen.min_task_s: once a chunk is measured, one task run covers the chunks that make that much work."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.datagen import intern_bootcamp_datagen
+
+    job = params(policy_server, tmp_path, "bundled", total_items=24)
+    job["datagen"].update(min_task_s=600.0)  # every chunk is "fast": task runs as large as allowed
+    summary = intern_bootcamp_datagen(**job)
+    store = ShardStore(tmp_path)
+    assert summary["chunks_committed"] == 6 and len(store.committed("bundled")) == 6 and store.count("bundled") == 24
+    assert store.verify("bundled") == []
+    stats = json.loads((store.run_dir("bundled") / "stats-intern-bootcamp-00000000.json").read_text())
+    flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(stats["flow_run_id"])]))
+    deadline, names = time.monotonic() + 20, []
+    while time.monotonic() < deadline:  # task runs reach the server as events
+        with get_client(sync_client=True) as client:
+            names = sorted(run.name for run in client.read_task_runs(flow_run_filter=flow_runs)
+                           if run.name.startswith("rollout-"))
+        if len(names) == 3:
+            break
+        time.sleep(0.5)
+    # the first two before any chunk is measured (the window holds 2 task runs), then the other four in one
+    assert [name.rsplit("-", 2)[1:] for name in names] == [["0", "0"], ["1", "1"], ["2", "5"]], names
+    again = intern_bootcamp_datagen(**job)
+    assert again["session_chunks"] == 0 and store.count("bundled") == 24

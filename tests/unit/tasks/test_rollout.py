@@ -63,7 +63,8 @@ def test_the_rollout_task_names_its_run_by_env_and_chunk_and_hashes_no_inputs():
     from prefect.cache_policies import NO_CACHE
 
     assert rollout_task.cache_policy is NO_CACHE
-    assert rollout_task.task_run_name == "rollout-{env}-{chunk}" and rollout_task.retries == 2
+    assert rollout_task.task_run_name({"env": "gsm8k", "chunks": [(7, range(0, 2), None)]}) == "rollout-gsm8k-7-7"
+    assert rollout_task.retries == 2
 
 
 def test_a_failed_shard_commit_is_retried_with_a_warning_and_stored_once(tmp_path, monkeypatch, caplog):
