@@ -123,22 +123,9 @@ def sequence_arrays(rollout: Rollout, prompts: dict[int, tuple[Any, array, array
     return converted[1] + output, converted[2] + output, logprobs
 
 
-def build_group(
-    env: str,
-    item: Item,
-    rollouts: Sequence[Rollout],
-    *,
-    group_size: int,
-    max_token_length: int,
-    ensure_scores_are_not_same: bool = True,
-    run_id: str = "",
-    seed: int = 0,
-    generation_params: dict[str, Any] | None = None,
-) -> ScoredGroup | str:
-    """The group for one item, or the reason it is dropped (one of DROP_REASONS)."""
-    fields = group_fields(env, item, rollouts, group_size=group_size, max_token_length=max_token_length,
-                          ensure_scores_are_not_same=ensure_scores_are_not_same, run_id=run_id, seed=seed,
-                          generation_params=generation_params)
+def build_group(env: str, item: Item, rollouts: Sequence[Rollout], **options: Any) -> ScoredGroup | str:
+    """The group for one item, or the reason it is dropped (one of DROP_REASONS); `options` as `group_fields`'s."""
+    fields = group_fields(env, item, rollouts, **options)
     return fields if isinstance(fields, str) else ScoredGroup(**fields)
 
 
