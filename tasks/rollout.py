@@ -52,7 +52,6 @@ def quiet_completed_rollouts() -> None:
 def rollout_chunk(spec: EnvSpec, env: str, chunk: int, indices: Sequence[int], openai: InferenceConfig, *,
                   generate: dict[str, Any], score: dict[str, Any], group: dict[str, Any]) -> GroupedChunk:
     """The groups of chunk `chunk` (items at `indices`): keyword dicts are each step's options."""
-    quiet_completed_rollouts()  # in the process the task runs in (a Dask or SLURM worker's too)
     generated = generate_chunk(spec, indices, openai, **generate)
     scored = score_generated(spec, generated, **score)
     return group_generated(env, scored, **group)
@@ -62,6 +61,7 @@ def rollout_chunks(spec: EnvSpec, env: str, chunks: Sequence[tuple[int, Sequence
                    openai: InferenceConfig, *, generate: dict[str, Any], score: dict[str, Any],
                    group: dict[str, Any]) -> list[GroupedChunk]:
     """`rollout_chunk` for each (chunk, indices, curriculum plan or None) in order: one grouped chunk per chunk."""
+    quiet_completed_rollouts()  # in the process the task run runs in (a Dask or SLURM worker's too)
     return [rollout_chunk(spec, env, chunk, indices, openai, generate={**generate, "plan": plan}, score=score,
                           group=group)
             for chunk, indices, plan in chunks]

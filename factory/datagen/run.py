@@ -319,7 +319,8 @@ class DatagenRun:
         items = self.window.items() + sum(len(planned.indices) for planned in chunks)
         if self.stopping or self.sampler.enough_in_flight(items):
             return False
-        if self.sampler.peek_chunk() is None or not self._plan_final(self.sampler.peek_chunk()):
+        upcoming = self.sampler.peek_chunk()
+        if upcoming is None or not self._plan_final(upcoming):
             return False
         return self.backpressure is None or not self.backpressure.would_wait(items)
 

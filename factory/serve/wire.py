@@ -101,8 +101,9 @@ class WireGroups:
     versions: list[int | None] = field(default_factory=list)
     """Policy versions the client gave (None: the service's current step)."""
     rows: pa.RecordBatch | DeferredRows | None = None
-    """With `build=True`: every group as GROUP_SCHEMA rows (with `defer`, perhaps not built yet: `DeferredRows`) (env '' and version 0 where not given, unless resolved
-    by `env_name` and `version`); `groups` is then empty."""
+    """With `build=True`: every group as GROUP_SCHEMA rows (env '' and version 0 where not given, unless resolved
+    by `env_name` and `version`); `groups` is then empty. With `defer`, a small body's rows may be `DeferredRows`,
+    checked but not yet built."""
     resolved: bool = False
     """Whether `rows` carry the env names and policy versions the service resolves (decode_groups' `env_name`)."""
 
