@@ -419,8 +419,9 @@ class BatchService:
         return self._form_quietly() is None
 
     async def wake(self) -> None:
-        """Leave the dormant start: index the served state (importing pyarrow and the store in a thread) and start
-        following the store, as a start that had shards would have."""
+        """Leave the dormant start: index the served state (importing pyarrow and the store in a thread, indexing on
+        the event loop, as the queue is the loop's: a start's work, milliseconds here, seconds at a million shards)
+        and follow the store, as a start that had shards would have."""
         if not self.dormant:
             return
         if self._waking is None:
@@ -1505,7 +1506,8 @@ class BatchService:
         return encode_groups(table)[0]
 
     async def reset(self) -> None:
-        await self.wake()  # the queued groups are recorded as discarded
+        if self.dormant and self._handed["queued_groups"]:
+            await self.wake()  # the groups it holds are recorded as discarded
         async with self._lock:
             self._release_prefetch()
             dropped = self.queue.clear()
