@@ -116,8 +116,8 @@ class ServeConfig(FactoryConfig):
     )
     recycle_min_interval_s: float = Field(
         60.0, ge=0, description="Least time between two recycles unless the process worked 10 s of CPU since the "
-        "last: a recycle costs ~1 s of CPU (a start, pyarrow loaded again by the next post), so it costs at most "
-        "~2% of a core, or ~10% of the work between two.",
+        "last: a recycle costs ~0.7 s of CPU (0.5 s to stop and start, 0.2 s to load pyarrow again at the next post; "
+        "bench/RESULTS.md, issue 29), so at most ~1% of a core, or ~7% of the work between two.",
     )
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")
 

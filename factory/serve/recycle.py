@@ -2,21 +2,24 @@
 
 What the first post loads (pyarrow, numpy, the Parquet writer's allocations) stays resident for the life of a
 process: a service that has drained its queue sat at ~2x its idle RSS (bench/RESULTS.md, issue 29), and nothing
-short of a new process image gives the pages of a loaded library back. So when the queue is empty, nothing is in
-flight and nothing arrived for `recycle_idle_s`, run-api stops serving as at a SIGTERM (requests finish, pending
+short of a new process image gives the pages of a loaded library back. So when the queue holds no batch, nothing is
+in flight and nothing arrived for `recycle_idle_s`, run-api stops serving as at a SIGTERM (requests finish, pending
 groups are committed, the served state is closed), then `exec`s itself with the same command line:
 
 - the listening socket is kept open across the exec (its descriptor is inherited, named by LISTEN_FD_ENV), so
   connections that arrive meanwhile wait in the kernel's backlog and are answered by the new image; keep-alive
   connections with no request on them are closed, as any server's keep-alive timeout does;
 - the pid stays the same (supervisors, `kill`, the Prefect flow that started it see one process);
-- the new image starts "dormant" (DORMANT_ENV): the served state says every indexed group is taken and the runs'
-  commit logs are as the old image left them, so it answers /batch "no batch", /status and registrations without
-  loading pyarrow or indexing a shard. The first post, a change in a followed commit log or a trainer that
-  rewinds (a replay) loads them, as a first post after a start does.
+- the new image starts "dormant" (DORMANT_ENV) where the runs' commit logs are as the old image left them and the
+  served state has just the groups it handed over untaken (fewer than a batch): it answers /batch "no batch",
+  /status and registrations without loading pyarrow or indexing a shard. The first post, a change in a followed
+  commit log, a trainer that rewinds (a replay), /reset_data or a registration while it holds groups load them,
+  as a first post after a start does (`BatchService.wake`).
 
-At most one recycle per `recycle_min_interval_s`, so steady slow traffic pays a restart (~1 s of CPU) at most that
-often. A process that serves from inside another (`run_service`, the Prefect flow) never recycles.
+A recycle costs ~0.7 s of CPU (0.5 s to stop and start again, 0.2 s for the next post to load pyarrow) and ~0.5 s
+during which requests wait in the backlog. Steady traffic never looks quiet (the pause must be 4x its recent
+longest), and there is at most one recycle per `recycle_min_interval_s` unless WORK_CPU_S of CPU were worked
+since. A process that serves from inside another (`run_service`, the Prefect flow) never recycles.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ RECYCLED_AT_ENV = "FACTORY_SERVE_RECYCLED_AT"
 """Wall-clock time and process CPU time of the last recycle ("wall cpu"), so the new image keeps the interval (the
 kernel's CPU time of a process goes on across an exec)."""
 WORK_CPU_S = 10.0
-"""CPU seconds of work after which a recycle is allowed before recycle_min_interval_s: one costs ~1 s of CPU (a
-start, and pyarrow loaded again by the next post), so recycles then cost at most ~10% of the work between them."""
+"""CPU seconds of work after which a recycle is allowed before recycle_min_interval_s: one costs ~0.7 s of CPU (a
+start, and pyarrow loaded again by the next post), so recycles then cost at most ~7% of the work between them."""
 HEAVY_MODULES = ("pyarrow", "numpy")
 """What a recycle gives back: if none of these is loaded there is nothing to return."""
 
