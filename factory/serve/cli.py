@@ -91,10 +91,12 @@ class RecyclingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(config: ServeConfig) -> None:
+def serve(config: ServeConfig, *, may_recycle: bool = False) -> None:
     """Run the service until interrupted: SIGINT/SIGTERM stop taking connections, give requests in flight
-    `shutdown_grace_s`, then commit (fsync) pending posted groups, close the served state and exit. Idle after
-    work, it does the same and then execs itself in place (`recycle_idle_s`)."""
+    `shutdown_grace_s`, then commit (fsync) pending posted groups, close the served state and exit.
+
+    `may_recycle` (run-api's own process only: the exec runs its command line again): idle after work, it does the
+    same and then execs itself in place (`recycle_idle_s`)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handover = take_handover() if was_recycled() else None
     listener = listening_socket(config.host, config.port)
@@ -103,7 +105,8 @@ def serve(config: ServeConfig) -> None:
     server = RecyclingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
                        timeout_graceful_shutdown=config.shutdown_grace_s),
-        service, RecyclePolicy(config.recycle_idle_s, config.recycle_min_interval_s, last_recycle_at()),
+        service, RecyclePolicy(config.recycle_idle_s if may_recycle else 0.0, config.recycle_min_interval_s,
+                               last_recycle_at()),
     )
     server.run(sockets=[listener.dup()])  # uvicorn closes the socket it is given at shutdown; `listener` stays open
     if server.recycle:
@@ -152,7 +155,7 @@ def _main(argv: list[str]) -> int:
     refused = _refused_modules(config)
     if refused:
         sys.meta_path.insert(0, _Refused(refused))
-    serve(config)
+    serve(config, may_recycle=True)
     return 0
 
 

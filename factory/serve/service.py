@@ -408,6 +408,8 @@ class BatchService:
         commit in flight, no prefetched batch, no replay, no batch that could be formed."""
         if self.dormant or self._replay or self._prefetched is not None or self._inflight or self._stored_ids:
             return False
+        if self.followed_logs() is None:  # a new image could not start dormant: a recycle would give nothing back
+            return False
         if time.monotonic() - self.last_busy < max(idle_s, min(longest_s, 4 * max(self._busy_gaps, default=0.0))):
             return False
         if self._prefetch_task is not None and not self._prefetch_task.done():

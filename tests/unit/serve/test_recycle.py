@@ -198,3 +198,18 @@ def test_a_dormant_image_with_nothing_queued_takes_a_trainer_and_polls_without_w
 
     dormant, polled, status = asyncio.run(scenario())
     assert dormant and polled is None and (status["queue_size"], status["served_groups"]) == (0, 4)
+
+
+def test_a_service_whose_logs_cannot_be_named_never_looks_quiet(tmp_path):
+    async def scenario():
+        service = BatchService(ServeConfig(store_root=str(tmp_path), follow_interval_s=0.05, prefetch=False,
+                                           follow_runs=["*"]))
+        await service.start()
+        await service.register(REGISTRATION)
+        await service.ingest(groups(0, 2))
+        await drain(service)
+        quiet = service.quiet(0.0, 0.0)
+        await service.stop()
+        return quiet
+
+    assert asyncio.run(scenario()) is False  # a new image would index at its start: nothing given back
