@@ -74,14 +74,21 @@ def command(port: int, store: Path, *extra: str) -> list[str]:
             "--store_root", str(store), "--log_level", "info", *extra]
 
 
+def registered(api: ApiProcess, env: bool = True) -> TrainerClient:
+    """A trainer (batches of BATCH sequences) that has started, and (`env`) an env registered."""
+    trainer = TrainerClient(api.url)
+    trainer.register(BATCH, max_token_len=2 * SEQ_LEN)
+    trainer.batch()
+    if env:
+        EnvClient(api.url).register("recycle", GROUP_SIZE, max_token_length=SEQ_LEN)
+    return trainer
+
+
 def test_a_drained_server_starts_again_in_place_and_loses_nothing(tmp_path):
     port = free_port()
     with ApiProcess(command(port, tmp_path / "store"), port, log_path=str(tmp_path / "api.log")) as api:
         pid = api.process.pid
-        trainer = TrainerClient(api.url)
-        trainer.register(BATCH, max_token_len=2 * SEQ_LEN)
-        trainer.batch()
-        EnvClient(api.url).register("recycle", GROUP_SIZE, max_token_length=SEQ_LEN)
+        registered(api)
         time.sleep(0.5)
         idle_rss = rss_mib(pid)
         assert not arrow_mapped(pid)
@@ -118,10 +125,7 @@ def test_a_trainer_that_rewinds_after_a_recycle_gets_the_same_batch_again(tmp_pa
     port = free_port()
     with ApiProcess(command(port, tmp_path / "store"), port, log_path=str(tmp_path / "api.log")) as api:
         pid = api.process.pid
-        trainer = TrainerClient(api.url)
-        trainer.register(BATCH, max_token_len=2 * SEQ_LEN)
-        trainer.batch()
-        EnvClient(api.url).register("recycle", GROUP_SIZE, max_token_length=SEQ_LEN)
+        trainer = registered(api)
         post(api.url, groups(GROUPS_PER_BATCH, 0))
         first = drain(api.url)
         assert wait_for(lambda: not arrow_mapped(pid), 15)
@@ -134,9 +138,7 @@ def test_recycle_idle_s_0_keeps_one_image(tmp_path):
     port = free_port()
     with ApiProcess(command(port, tmp_path / "store", "--recycle_idle_s", "0"), port) as api:
         pid = api.process.pid
-        trainer = TrainerClient(api.url)
-        trainer.register(BATCH, max_token_len=2 * SEQ_LEN)
-        trainer.batch()
+        registered(api, env=False)
         post(api.url, groups(GROUPS_PER_BATCH, 0))
         assert len(drain(api.url)) == GROUPS_PER_BATCH
         time.sleep(2.5)

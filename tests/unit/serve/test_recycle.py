@@ -79,8 +79,8 @@ def test_untaken_rows_counts_shards_and_blocks_less_what_was_taken(tmp_path):
     state.close()
 
 
-def config(root) -> ServeConfig:
-    return ServeConfig(store_root=str(root), follow_interval_s=0.05, prefetch=False)
+def config(root, **serve) -> ServeConfig:
+    return ServeConfig(store_root=str(root), follow_interval_s=0.05, prefetch=False, **serve)
 
 
 async def drain(service: BatchService) -> list[str]:
@@ -103,6 +103,17 @@ async def stopped_for_recycle(service: BatchService) -> dict:
     await service.stop()
     assert service.handover is not None
     return service.handover
+
+
+async def drained_and_recycled(root, count: int, **serve) -> tuple[list[int], dict]:
+    """A service that got `count` groups of 4 (batches of 8 sequences), served every batch it could, and stopped to
+    recycle: what it served and what it handed over."""
+    service = BatchService(config(root, **serve))
+    await service.start()
+    await service.register(REGISTRATION)
+    await service.ingest(groups(0, count))
+    served = await drain(service)
+    return served, await stopped_for_recycle(service)
 
 
 def test_a_new_image_starts_dormant_on_what_the_old_one_handed_over_and_serves_each_group_once(tmp_path):
@@ -134,12 +145,7 @@ def test_a_new_image_starts_dormant_on_what_the_old_one_handed_over_and_serves_e
 
 def test_a_commit_after_the_handover_makes_the_new_image_index_at_start(tmp_path):
     async def scenario():
-        service = BatchService(config(tmp_path))
-        await service.start()
-        await service.register(REGISTRATION)
-        await service.ingest(groups(0, 3))
-        await drain(service)
-        handover = await stopped_for_recycle(service)
+        _, handover = await drained_and_recycled(tmp_path, 3)
         ShardStore(tmp_path).commit("api", "another-producer", 0, groups(50, 1))  # the ingest run's log moves
 
         service = BatchService(config(tmp_path), handover)
@@ -155,13 +161,7 @@ def test_a_commit_after_the_handover_makes_the_new_image_index_at_start(tmp_path
 
 def test_a_dormant_image_wakes_when_a_followed_log_moves(tmp_path):
     async def scenario():
-        service = BatchService(config(tmp_path))
-        await service.start()
-        await service.register(REGISTRATION)
-        await service.ingest(groups(0, 3))
-        await drain(service)
-        handover = await stopped_for_recycle(service)
-
+        _, handover = await drained_and_recycled(tmp_path, 3)
         service = BatchService(config(tmp_path), handover)
         await service.start()
         assert service.dormant
@@ -179,12 +179,7 @@ def test_a_dormant_image_wakes_when_a_followed_log_moves(tmp_path):
 
 def test_a_dormant_image_with_nothing_queued_takes_a_trainer_and_polls_without_waking(tmp_path):
     async def scenario():
-        service = BatchService(config(tmp_path))
-        await service.start()
-        await service.register(REGISTRATION)
-        await service.ingest(groups(0, 4))
-        await drain(service)
-        handover = await stopped_for_recycle(service)
+        _, handover = await drained_and_recycled(tmp_path, 4)
         assert handover["queued_groups"] == 0
 
         service = BatchService(config(tmp_path), handover)
@@ -202,8 +197,7 @@ def test_a_dormant_image_with_nothing_queued_takes_a_trainer_and_polls_without_w
 
 def test_a_service_whose_logs_cannot_be_named_never_looks_quiet(tmp_path):
     async def scenario():
-        service = BatchService(ServeConfig(store_root=str(tmp_path), follow_interval_s=0.05, prefetch=False,
-                                           follow_runs=["*"]))
+        service = BatchService(config(tmp_path, follow_runs=["*"]))
         await service.start()
         await service.register(REGISTRATION)
         await service.ingest(groups(0, 2))
