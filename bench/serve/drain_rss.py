@@ -173,6 +173,7 @@ def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: flo
                 idle = timeline.sample()
                 first_use(api.url)
                 time.sleep(1.0)
+                httpx.get(api.url + "/", timeout=60)
                 loaded = timeline.sample()
                 timeline.enter("ingest")
                 asyncio.run(post_all(api.url, payloads, path, Load()))
@@ -180,6 +181,7 @@ def measure(name: str, groups: int, per_request: int, seq_len: int, after_s: flo
                 sequences = drain(api.url)
                 timeline.enter("after")
                 time.sleep(after_s)
+                httpx.get(api.url + "/", timeout=60)  # answered: not a process half-way through a start (a recycle)
                 end = timeline.sample()
             if sequences < groups * GROUP_SIZE - BATCH:
                 raise RuntimeError(f"{name}: drained {sequences} of {groups * GROUP_SIZE} sequences")

@@ -18,7 +18,10 @@ one group per request, then 64 per request; then a trainer drains the queue
 through /batch (256 sequences a batch; timed to the parsed JSON, and to the
 gunzipped body before parsing, which is the server's part plus transfer and
 gunzip). Server RSS is sampled every 50 ms: idle (registered, nothing queued),
-peak during ingest, peak during the drain, and 1 s after the queue is empty;
+peak during ingest, peak during the drain, and 1 s and 3 s after the queue is
+empty (each once the server has answered a request: ours may be starting
+again in place then, factory/serve/recycle.py, and a half-started process
+would read low);
 its anonymous part (RssAnon: heap, Python objects) is given beside idle and
 after the drain, since the rest (RssFile) is mostly pages of the libraries the
 first post loads (pyarrow, numpy: ~40 MiB that stay mapped for the process's
@@ -249,9 +252,14 @@ def measure(name: str, n_single: int, n_list: int, load: Load, tree: str | None 
                 if sequences < posted - BATCH:
                     raise RuntimeError(f"{name}: drained {sequences} of {posted} sequences")
                 sampler.phase = "after drain"
+                drained_at = time.perf_counter()
                 time.sleep(1.0)
+                httpx.get(api.url + "/", timeout=60)
+                rss_drained, anon_drained = rss_mib(pid), rss_anon_mib(pid)
+                time.sleep(max(0.0, drained_at + 3.0 - time.perf_counter()))
+                httpx.get(api.url + "/", timeout=60)  # the server answers: not half-way through a start
+                rss_settled, anon_settled = rss_mib(pid), rss_anon_mib(pid)
             sampler.stop()
-            rss_drained, anon_drained = rss_mib(pid), rss_anon_mib(pid)
             return {
                 "ingest groups/s (1 per request)": n_single / t_single,
                 "ingest groups/s (64 per request)": n_list / t_list,
@@ -267,8 +275,10 @@ def measure(name: str, n_single: int, n_list: int, load: Load, tree: str | None 
                 "server RSS MiB peak during ingest": sampler.peaks.get("ingest", rss_ingested),
                 "server RSS MiB peak during drain": sampler.peaks.get("drain", rss_ingested),
                 "server RSS MiB 1 s after the drain": rss_drained,
+                "server RSS MiB 3 s after the drain": rss_settled,
                 "server RssAnon MiB idle": anon_idle,
                 "server RssAnon MiB 1 s after the drain": anon_drained,
+                "server RssAnon MiB 3 s after the drain": anon_settled,
             }
 
 

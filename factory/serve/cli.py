@@ -17,6 +17,9 @@ from factory.preflight import check_store_writable
 from factory.config import build_config, config_help, split_config_path, wants_help
 from factory.serve.app import create_app
 from factory.serve.config import ServeConfig
+from factory.serve.recycle import (
+    RecyclePolicy, exec_again, heavy_modules_loaded, last_recycle_at, listening_socket, take_handover, was_recycled,
+)
 from factory.serve.service import BatchService
 
 logger = logging.getLogger(__name__)
@@ -69,13 +72,46 @@ def run_service(config: ServeConfig, *, stop_after_steps: int | None = None, max
     return result
 
 
-def serve(config: ServeConfig) -> None:
+class RecyclingServer(uvicorn.Server):
+    """uvicorn's server that, once `policy` says so, stops serving as at a SIGTERM and notes that the process is to
+    start again in place (factory/serve/recycle.py)."""
+
+    def __init__(self, config: uvicorn.Config, service: BatchService, policy: RecyclePolicy) -> None:
+        super().__init__(config)
+        self.service, self.policy = service, policy
+        self.recycle = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.should_exit and counter % 2 == 0 and self.policy.due(
+            quiet=lambda: self.service.quiet(self.policy.idle_s, self.policy.min_interval_s),
+            requests_in_flight=len(self.server_state.tasks), heavy_loaded=heavy_modules_loaded(),
+        ):
+            logger.info("idle after work: starting again in place to give back what the work loaded")
+            self.recycle = self.service.recycling = self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(config: ServeConfig, *, may_recycle: bool = False) -> None:
     """Run the service until interrupted: SIGINT/SIGTERM stop taking connections, give requests in flight
-    `shutdown_grace_s`, then commit (fsync) pending posted groups, close the served state and exit."""
+    `shutdown_grace_s`, then commit (fsync) pending posted groups, close the served state and exit.
+
+    `may_recycle` (run-api's own process only: the exec runs its command line again): idle after work, it does the
+    same and then execs itself in place (`recycle_idle_s`)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=config.shutdown_grace_s)
+    handover = take_handover() if was_recycled() else None
+    listener = listening_socket(config.host, config.port)
+    service = BatchService(config, handover)
+    app = create_app(config, service)
+    server = RecyclingServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
+                       timeout_graceful_shutdown=config.shutdown_grace_s),
+        service, RecyclePolicy(config.recycle_idle_s if may_recycle else 0.0, config.recycle_min_interval_s,
+                               last_recycle_at()),
+    )
+    server.run(sockets=[listener.dup()])  # uvicorn closes the socket it is given at shutdown; `listener` stays open
+    if server.recycle:
+        exec_again(listener, service.handover)
+    listener.close()
 
 
 class _Refused:
@@ -113,12 +149,13 @@ def _main(argv: list[str]) -> int:
     config = load_config(argv)
     config.resolved_state_path()  # an object store URL needs a local state_path
     # The two faults a user meets first, checked before uvicorn (whose own report ends in shutdown lines).
-    check_port_free(config.host, config.port)
+    if not was_recycled():  # (a recycled run-api holds its port already)
+        check_port_free(config.host, config.port)
     check_store_writable("store_root", config.store_root)
     refused = _refused_modules(config)
     if refused:
         sys.meta_path.insert(0, _Refused(refused))
-    serve(config)
+    serve(config, may_recycle=True)
     return 0
 
 

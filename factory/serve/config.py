@@ -106,6 +106,19 @@ class ServeConfig(FactoryConfig):
         None, ge=1, description="With strict: token ids must be below this (the policy's vocabulary size); None: no bound.",
     )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+    recycle_idle_s: float = Field(
+        0.5, ge=0, description="run-api only: once the queue is empty, no commit or request is in flight and nothing "
+        "arrived for this many seconds, the process stops serving as at a SIGTERM and execs itself in place (same "
+        "pid, listening socket kept, requests meanwhile wait in the backlog) so that what the first post loaded "
+        "(pyarrow, ~60 MiB) is given back: RSS returns to idle after a drain (factory/serve/recycle.py, "
+        "bench/RESULTS.md, issue 29). Idle keep-alive connections are closed; the new image stays dormant (no "
+        "pyarrow) until a post, a followed run's commit or a replay. 0 never recycles.",
+    )
+    recycle_min_interval_s: float = Field(
+        60.0, ge=0, description="Least time between two recycles unless the process worked 10 s of CPU since the "
+        "last: a recycle costs ~0.7 s of CPU (0.5 s to stop and start, 0.2 s to load pyarrow again at the next post; "
+        "bench/RESULTS.md, issue 29), so at most ~1% of a core, or ~7% of the work between two.",
+    )
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM/SIGINT, seconds requests in flight get to finish before the service commits, closes and exits.")
 
     @field_validator("env_min_batch_allocation")

@@ -143,6 +143,11 @@ class GroupCommitter:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="group-committer")
 
+    @property
+    def idle(self) -> bool:
+        """Nothing pending, being committed, or announced as arriving."""
+        return not self._pending and not self._running and self._announced == self._settled
+
     async def stop(self) -> None:
         """Commit what is pending, then stop."""
         if self._task is None:

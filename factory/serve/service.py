@@ -178,7 +178,11 @@ def _spans(drop: Any, total: int) -> list[tuple[int, int, Any]]:
 
 
 class BatchService:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, handover: dict[str, Any] | None = None) -> None:
+        """`handover`: what a recycle's old image left its new one (factory/serve/recycle.py): the commit log stats
+        of the runs it had indexed in full and the groups left queued, fewer than a batch. If the logs are still so
+        and the served state has just those groups untaken, the service starts dormant: nothing indexed, pyarrow
+        not loaded, until there is work (`wake`)."""
         self.config = config
         self._store: StoreReader | None = None
         self._loading = threading.Lock()
@@ -221,8 +225,23 @@ class BatchService:
         self.ingest_budget: Any = None  # set by the app (backpressure.IngestBudget); its numbers go into /status
         self.requesters: list[int] = []
         self.final_status: dict[str, Any] | None = None
-        with _bulk_load(self.sources):
-            self._load()
+        self.last_busy = time.monotonic()
+        """When the service last had work (a post, a served batch, a commit, new shards): see `quiet`."""
+        self.recycling = False
+        """Set by run-api before it stops to recycle: `stop` then notes the commit logs it may stay dormant on."""
+        self.handover: dict[str, Any] | None = None
+        """Set by `stop` while recycling: what the next image may start dormant on (None: it may not)."""
+        self._busy_gaps: deque[float] = deque(maxlen=16)
+        self._waking: asyncio.Lock | None = None
+        self._load()
+        self.dormant = handover is not None and self._may_stay_dormant(handover)
+        self._handed: dict[str, Any] = handover if self.dormant else {}
+        if self.dormant:
+            logger.info("served state loaded: step %d, %d groups queued (less than a batch); dormant until there is "
+                        "work", self.step, self._handed["queued_groups"])
+        else:
+            with _bulk_load(self.sources):
+                self._load_index()
 
     # ---- lazily loaded parts (pyarrow) ----
     @property
@@ -270,8 +289,10 @@ class BatchService:
 
     async def ready_for_posts(self) -> None:
         """Start the group committer (importing pyarrow and the store, in a thread) if it is not running yet."""
+        self.note_busy()
         if self.committer is not None:
             return
+        await self.wake()
         if self._committer_ready is None:
             self._committer_ready = asyncio.get_running_loop().create_future()
             try:
@@ -327,6 +348,104 @@ class BatchService:
         replay_until = self.state.get("replay_until", 0)
         if replay_until > self.step:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
+
+    # ---- dormant start (after a recycle) ----
+    def followed_logs(self) -> list[Path] | None:
+        """The commit logs of the runs this service follows (its ingest run first); None where they cannot be named
+        without listing the store ('*', or an object store)."""
+        if "*" in self.config.follow_runs or ("://" in self.config.store_root and not self.config.store_root.startswith("file://")):
+            return None
+        root = Path(self.config.store_root.removeprefix("file://"))
+        return [root / run / "commits.jsonl" for run in dict.fromkeys([self.config.ingest_run, *self.config.follow_runs])]
+
+    def _may_stay_dormant(self, handover: dict[str, Any]) -> bool:
+        from factory.serve.recycle import log_stats
+
+        logs = self.followed_logs()
+        try:
+            queued = int(handover["queued_groups"])
+            int(handover["queued_sequences"])
+            return (logs is not None and not self._replay and log_stats(logs) == handover["logs"]
+                    and self.state.untaken_rows() == queued)
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    def _logs_moved(self) -> bool:
+        from factory.serve.recycle import log_stats
+
+        logs = self.followed_logs()
+        return logs is None or log_stats(logs) != self._handed["logs"]
+
+    def _handover(self) -> dict[str, Any] | None:
+        """What the next image may start dormant on, at the end of `stop` while recycling: the followed commit logs
+        as of before a last scan that found nothing new, and the groups queued, fewer than a batch."""
+        from factory.serve.recycle import log_stats
+
+        logs = self.followed_logs()
+        if logs is None or self._replay or self._stored_ids or self._unreadable:
+            return None
+        stats = log_stats(logs)
+        if self._scan()[0] or self._form_quietly() is not None:
+            return None
+        return {"logs": stats, "queued_groups": self.queue.groups,
+                "queued_sequences": sum(self.queue.lane_sequences.values())}
+
+    def _form_quietly(self) -> list[Entry] | None:
+        """Whether a batch could be formed now, without taking it."""
+        if self.registration is None or not self.queue.groups:
+            return None
+        return self._form()
+
+    def note_busy(self) -> None:
+        """The service has work (a post, a served batch, a commit, new shards): noted for `quiet`."""
+        now = time.monotonic()
+        self._busy_gaps.append(now - self.last_busy)
+        self.last_busy = now
+
+    def quiet(self, idle_s: float, longest_s: float) -> bool:
+        """Whether the service has had no work for `idle_s`, and for longer than 4x the longest of its last 16
+        pauses between work (up to `longest_s`: steady slow traffic is not a stop), and has none now: no post or
+        commit in flight, no prefetched batch, no replay, no batch that could be formed."""
+        if self.dormant or self._replay or self._prefetched is not None or self._inflight or self._stored_ids:
+            return False
+        if self.followed_logs() is None:  # a new image could not start dormant: a recycle would give nothing back
+            return False
+        if time.monotonic() - self.last_busy < max(idle_s, min(longest_s, 4 * max(self._busy_gaps, default=0.0))):
+            return False
+        if self._prefetch_task is not None and not self._prefetch_task.done():
+            return False
+        if self.committer is not None and not self.committer.idle:
+            return False
+        if self._committer_ready is not None and not self._committer_ready.done():
+            return False
+        return self._form_quietly() is None
+
+    async def wake(self) -> None:
+        """Leave the dormant start: index the served state (importing pyarrow and the store in a thread, indexing on
+        the event loop, as the queue is the loop's: a start's work, milliseconds here, seconds at a million shards)
+        and follow the store, as a start that had shards would have."""
+        if not self.dormant:
+            return
+        if self._waking is None:
+            self._waking = asyncio.Lock()
+        async with self._waking:
+            if not self.dormant:
+                return
+            await asyncio.to_thread(lambda: self.store)
+            with _bulk_load(self.sources):
+                self._load_index()
+            self.dormant = False
+            self._add_shards(await asyncio.to_thread(self._scan))
+            self._kick_prefetch()
+
+    def _wake_soon(self) -> None:
+        """Lane policies changed: a dormant service holding groups wakes (in a task), since the groups it holds
+        may now make a batch."""
+        if self.dormant and self._handed["queued_groups"]:
+            asyncio.get_running_loop().create_task(self.wake())
+
+    def _load_index(self) -> None:
+        """The indexed shards and compacted blocks: their files, and the queue of groups not taken yet."""
         if self.state.has_sources() and getattr(self.store, "where", None) is not None:
             self._fold()
         sources = self.state.sources()
@@ -542,7 +661,7 @@ class BatchService:
     async def start(self) -> None:
         limit_malloc_arenas()  # before the first worker thread allocates (pyarrow's pool is set when it is loaded)
         self._running = True
-        if self._may_have_shards():
+        if not self.dormant and self._may_have_shards():
             with _bulk_load(self.sources):
                 self._add_shards(await asyncio.to_thread(self._scan))
             await self.ready_for_posts()
@@ -562,6 +681,12 @@ class BatchService:
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                     pass
         self._release_prefetch()
+        if self.recycling:
+            try:
+                self.handover = self._handover() if not self.dormant else self._handed
+            except Exception:  # noqa: BLE001 - the next image then starts as any start does
+                logger.exception("cannot tell the next image what it may stay dormant on; it indexes at its start")
+                self.handover = None
         self.final_status = self.status()
         self.state.close()
 
@@ -589,6 +714,11 @@ class BatchService:
         while True:
             await asyncio.sleep(self.config.follow_interval_s)
             try:
+                if self.dormant:
+                    if not self._logs_moved():
+                        continue
+                    await self.wake()
+                    continue
                 self._add_shards(await asyncio.to_thread(self._scan))
             except Exception:  # noqa: BLE001 - a bad scan must not stop following; it is retried next interval
                 logger.exception("scan of followed runs failed; retrying in %.1f s", self.config.follow_interval_s)
@@ -598,6 +728,7 @@ class BatchService:
         self._relocate(moved)
         if not shards:
             return
+        self.note_busy()
         # not before: an idle service has not loaded the store
         from factory.serve.follower import NewBlock, NewShards, covered
         from factory.serve.state import BlockRows, ShardRows
@@ -838,6 +969,7 @@ class BatchService:
                                 versions[lo:hi][keep])
 
     def _on_commit(self, record: CommitRecord, rows: pa.Table) -> None:
+        self.note_busy()
         if (record.run_id, record.shard) in self._known:  # the follower's scan saw the commit log first
             self._count_ingested(rows.column("env").to_pylist())
             return
@@ -1011,6 +1143,8 @@ class BatchService:
 
     # ---- trainer and env registration ----
     async def register(self, registration: dict[str, Any]) -> dict[str, Any]:
+        if self.dormant and self._handed["queued_groups"]:
+            await self.wake()  # a new batch size may make a batch of the groups the dormant image holds
         async with self._lock:
             self._release_prefetch()
             start = registration["starting_step"]
@@ -1046,6 +1180,7 @@ class BatchService:
         }
         self.envs.append(env)
         self.state.put_env(env)
+        self._wake_soon()
         registration = self.registration or {}
         return {
             "status": "success",
@@ -1062,6 +1197,7 @@ class BatchService:
             return {"status": "failure", "error": f"env_id {env_id} is not registered ({len(self.envs)} envs are)"}
         self.envs[env_id]["connected"] = False
         self.state.put_env(self.envs[env_id])
+        self._wake_soon()
         return {"status": "success"}
 
     # ---- status ----
@@ -1078,8 +1214,8 @@ class BatchService:
     def status(self) -> dict[str, Any]:
         return {
             "current_step": self.step,
-            "queue_size": self.queue.groups,
-            "queued_sequences": sum(self.queue.lane_sequences.values()),
+            "queue_size": self._handed["queued_groups"] if self.dormant else self.queue.groups,
+            "queued_sequences": self._handed["queued_sequences"] if self.dormant else sum(self.queue.lane_sequences.values()),
             "served_groups": self.state.served_groups(),
             "skipped_stale": self.skipped_stale,
             "skipped_oversize": self.skipped_oversize,
@@ -1237,6 +1373,8 @@ class BatchService:
         `arrow` asks for the rows as an Arrow IPC stream (`body.arrow`) instead of JSON (`body.raw`); bodies
         without rows are JSON either way. The next batch is prefetched in the format this call asked for.
         """
+        if self.dormant and self._replay:
+            await self.wake()
         async with self._lock:
             self._wanted = (arrow, accept_gzip)
             if self.registration is None:
@@ -1285,6 +1423,7 @@ class BatchService:
                 raise
             self.queue.remove(entries)
             self.step += 1
+            self.note_busy()
             size = len(body.arrow if arrow else body.raw if body.raw is not None else body.gz)
             logger.debug("served step %d: %d groups, %d bytes (%s)", self.step - 1, len(entries), size, "Arrow" if arrow else "JSON")
         if self.config.prefetch:
@@ -1356,6 +1495,8 @@ class BatchService:
                 self._prefetch_task = asyncio.create_task(self._prefetch())
 
     async def latest_example(self) -> bytes | dict[str, Any]:
+        if self.dormant and self._handed["queued_groups"]:
+            await self.wake()
         last = self.queue.last
         if last is None:
             return EMPTY_EXAMPLE
@@ -1367,6 +1508,8 @@ class BatchService:
         return encode_groups(table)[0]
 
     async def reset(self) -> None:
+        if self.dormant and self._handed["queued_groups"]:
+            await self.wake()  # the groups it holds are recorded as discarded
         async with self._lock:
             self._release_prefetch()
             dropped = self.queue.clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -391,6 +392,21 @@ class ServedState:
                     "INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     [(key, json.dumps(value)) for key, value in kv.items()],
                 )
+
+    def untaken_rows(self) -> int:
+        """Rows of indexed shards and blocks that are not taken (served, skipped or discarded): what a start would
+        queue. Counts only (taken rows are always rows of indexed sources: their ids outlive a fold)."""
+        from array import array
+
+        (shard_rows,) = self.db.execute("SELECT COALESCE(SUM(rows), 0) FROM sources").fetchone()
+        block_rows = 0
+        for (blob,) in self.db.execute("SELECT member_rows FROM source_blocks"):
+            rows = array("q", blob)  # stored little-endian (`_member_rows_blob`)
+            if sys.byteorder == "big":
+                rows.byteswap()
+            block_rows += sum(rows)
+        (taken,) = self.db.execute("SELECT COUNT(*) FROM taken").fetchone()
+        return int(shard_rows) + int(block_rows) - int(taken)
 
     def taken_rows(self) -> TakenRows:
         """Every taken (source, row), as arrays in key order (see `TakenRows`)."""

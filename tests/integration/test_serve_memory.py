@@ -77,7 +77,8 @@ def drain(url: str) -> int:
 def test_rss_after_a_drain_is_back_near_idle_and_the_drain_stays_under_the_ingest_peak(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "factory.serve.cli", "--port", str(port), "--host", "127.0.0.1",
-               "--store_root", str(tmp_path / "store"), "--log_level", "warning"]
+               "--store_root", str(tmp_path / "store"), "--log_level", "warning",
+               "--recycle_idle_s", "0"]  # what one image gives back; a recycle (test_serve_recycle.py) returns the rest
     with ApiProcess(command, port, log_path=str(tmp_path / "api.log")) as api:
         pid = api.process.pid
         trainer = TrainerClient(api.url)
