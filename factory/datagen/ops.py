@@ -210,6 +210,7 @@ class RunOps:
         else:
             self._progress_artifact = self._create_artifact(type="progress", key=key, data=progress,
                                                             description=description).id
+        self._mark_target_reached()
         return self._progress_artifact
 
     def summary_artifact(self, rows: list[dict[str, Any]], *, key: str, description: str, store_dir: str) -> None:

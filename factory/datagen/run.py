@@ -195,15 +195,20 @@ class Throttle:
         self._held = True
         return False
 
+    def sent(self) -> None:
+        """Count now as a report: the next is due `every_s` from now (a run's first progress report waits)."""
+        self._last, self._held = self.clock(), False
+
     def held_back(self) -> bool:
         held, self._held = self._held, False
         return held
 
 
 PROGRESS_ARTIFACT_EVERY_S = 5.0
-"""The progress artifact is updated at most this often (each update is a Prefect API call from the flow body; the
-progress log line still comes with every chunk), and once more at the end. The curriculum table too, except that a
-chunk that moves a level publishes it at once."""
+"""The progress artifact is reported at most this often (each report is a Prefect API call from the flow body; the
+progress log line still comes with every chunk), and once more at the end; it is created with the first report, this
+long into the run (a shorter run creates it once, at its end). The curriculum table too, except that a chunk that
+moves a level publishes it at once."""
 
 
 def artifact_key(run_id: str, what: str) -> str:
@@ -266,12 +271,25 @@ class DatagenRun:
             self.logger.info("%s: %d of target %d groups committed in run %r (%d chunks); drawing up to %d items",
                              self.env_name, sampler.committed_groups, d.target_groups, d.run_id,
                              sampler.restored_chunks, sampler.max_items)
-        self.progress_id = self.ops.progress_artifact(
-            sampler.progress(), key=artifact_key(d.run_id, "progress"),
-            description=f"{self.env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id} "
-                        f"(store {run_location(self.store, d.run_id)})")
+        self.progress_id: Any = None  # the progress artifact: made with the first progress report (_report_progress)
+        self.progress_throttle.sent()  # the first report is due PROGRESS_ARTIFACT_EVERY_S into the run, or at its end
         self.ops.track(d.producer, total_chunks=sampler.n_chunks, done_before=len(sampler.committed_chunks),
                        groups_before=sampler.committed_groups)
+
+    def _report_progress(self) -> None:
+        """The progress artifact: created with the first report, updated after (each an API round trip, so a run
+        shorter than PROGRESS_ARTIFACT_EVERY_S makes one call at its end instead of create + update + final update;
+        none is fatal in a Prefect outage, and one that failed is retried with the next report)."""
+        from prefect.artifacts import update_progress_artifact
+
+        if self.progress_id is not None:
+            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
+            return
+        d = self.cfg.datagen
+        self.progress_id = best_effort(
+            self.ops.progress_artifact, self.sampler.progress(), key=artifact_key(d.run_id, "progress"),
+            description=f"{self.env_name} datagen: chunks of {d.chunk_items} items committed to {d.run_id} "
+                        f"(store {run_location(self.store, d.run_id)})")
 
     @property
     def stopping(self) -> bool:
@@ -341,8 +359,6 @@ class DatagenRun:
         self._commit(planned.chunk, self.ops.result(future))
 
     def _commit(self, chunk: int, grouped: Any) -> None:
-        from prefect.artifacts import update_progress_artifact
-
         d = self.cfg.datagen
         moves = self.committer.commit(chunk, grouped)
         if moves is None:
@@ -351,7 +367,7 @@ class DatagenRun:
             return
         self.last_committed_chunk = chunk
         if self.progress_throttle.due():
-            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())  # not fatal in an outage
+            self._report_progress()
         if self.curriculum is not None:
             for move in moves:
                 self.logger.info("curriculum: %s level %d -> %d (recent pass rate %.2f)", move["family"],
@@ -401,10 +417,9 @@ class DatagenRun:
     def _send_held_back_reports(self) -> None:
         """The progress and curriculum artifacts as the run ends, where a throttle held back the latest."""
         reached = self.ops.progress is not None and self.ops.progress.target_reached  # the artifact says 100% then
-        if self.progress_throttle.held_back() and not reached:
-            from prefect.artifacts import update_progress_artifact
-
-            best_effort(update_progress_artifact, self.progress_id, self.sampler.progress())
+        held = self.progress_throttle.held_back()
+        if self.progress_id is None or (held and not reached):
+            self._report_progress()
         if self.curriculum is not None and self.curriculum_throttle.held_back():
             self._publish_curriculum(self.last_committed_chunk)
 

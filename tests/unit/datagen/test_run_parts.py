@@ -193,3 +193,75 @@ def test_each_committed_chunk_is_one_progress_record_that_names_what_the_chunk_k
     line, = run.logger.lines[before:]
     assert line.startswith(PROGRESS_PREFIX + "toy: 1/10 chunks, 3 groups kept, ")  # what `progress watch` prints
     assert line.endswith(f"(chunk 7: kept 3 groups, dropped {dict(grouped.dropped)})")
+
+
+def test_a_throttle_told_a_report_was_sent_another_way_waits_a_whole_interval():
+    from factory.datagen.run import Throttle
+
+    now = [100.0]
+    throttle = Throttle(5.0, clock=lambda: now[0])
+    throttle.sent()  # e.g. the progress artifact was just created with the same figure
+    now[0] += 4.0
+    assert not throttle.due() and throttle.held_back()
+    now[0] += 1.0
+    assert throttle.due()
+
+
+def _run_reporting(tmp_path, monkeypatch, now):
+    """A run committing chunks whose progress artifact is not made yet, as DatagenRun.__init__ leaves it."""
+    import prefect.artifacts
+
+    from factory.datagen.run import Throttle
+
+    calls = []
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", lambda *args: calls.append(("update",) + args))
+    run = _run_committing({}, now)
+    run.curriculum, run.progress_id = None, None
+    run.cfg.datagen.chunk_items = 4
+    run.store = ShardStore(tmp_path)
+    run.ops.progress = None
+    run.ops.progress_artifact = lambda progress, *, key, description: calls.append(("create", progress, key)) or "a1"
+    run.progress_throttle = Throttle(5.0, clock=lambda: now[0])
+    run.progress_throttle.sent()
+    return run, calls
+
+
+def test_a_run_shorter_than_the_interval_makes_its_progress_artifact_once_at_the_end(tmp_path, monkeypatch):
+    """One API call instead of create at the start, update at the first chunk and update at the end."""
+    now = [100.0]
+    run, calls = _run_reporting(tmp_path, monkeypatch, now)
+    for chunk in range(4):
+        run._commit(chunk, grouped_chunk(0, 3))
+        now[0] += 1.0
+    assert calls == []
+    run._send_held_back_reports()
+    assert calls == [("create", 50.0, "r-progress")] and run.progress_id == "a1"
+    run._send_held_back_reports()
+    assert len(calls) == 1
+
+
+def test_a_longer_run_makes_its_progress_artifact_at_the_first_report_due_then_updates_it(tmp_path, monkeypatch):
+    now = [100.0]
+    run, calls = _run_reporting(tmp_path, monkeypatch, now)
+    now[0] += 6.0
+    run._commit(0, grouped_chunk(0, 3))
+    assert calls == [("create", 50.0, "r-progress")]
+    now[0] += 1.0
+    run._commit(1, grouped_chunk(0, 3))  # within the interval: held back
+    now[0] += 5.0
+    run._commit(2, grouped_chunk(0, 3))
+    run._commit(3, grouped_chunk(0, 3))  # held back again
+    run._send_held_back_reports()
+    assert calls[1:] == [("update", "a1", 50.0), ("update", "a1", 50.0)]
+
+
+def test_a_progress_artifact_that_failed_to_be_made_is_made_with_the_next_report(tmp_path, monkeypatch):
+    now = [100.0]
+    run, calls = _run_reporting(tmp_path, monkeypatch, now)
+    run.ops.progress_artifact = lambda progress, *, key, description: None  # best_effort's answer in an outage
+    now[0] += 6.0
+    run._commit(0, grouped_chunk(0, 3))
+    assert run.progress_id is None
+    run.ops.progress_artifact = lambda progress, *, key, description: calls.append(("create", progress)) or "a2"
+    run._send_held_back_reports()
+    assert calls == [("create", 50.0)] and run.progress_id == "a2"

@@ -82,6 +82,26 @@ def test_target_reached_marks_the_progress_artifact_100_percent(monkeypatch):
     assert "target of 10 groups reached (100%)" in ops.logger.lines[-1]
 
 
+def test_a_progress_artifact_made_after_the_target_was_reached_says_100_percent(monkeypatch):
+    """The artifact is made after `track` now (once the first task run is out, or at the end of a run with nothing
+    left to do): a resumed run whose target was already reached still shows 100%."""
+    import prefect.artifacts
+
+    from factory.datagen.ops import RunOps
+
+    updates = []
+    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda progress, key, description: "artifact-2")
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
+                        lambda artifact_id, progress, description=None: updates.append((artifact_id, progress)))
+    ops = RunOps.__new__(RunOps)
+    ops.logger, ops.target_groups, ops._progress_artifact, ops.progress = _Lines(), 10, None, None
+    ops.report_run = None
+    ops.track("bootcamp", total_chunks=5, done_before=3, groups_before=12)
+    assert updates == []  # no artifact yet
+    assert ops.progress_artifact(60.0, key="k", description="d") == "artifact-2"
+    assert updates == [("artifact-2", 100.0)]
+
+
 class _Lines:
     def __init__(self):
         self.lines = []
