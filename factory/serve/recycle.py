@@ -13,8 +13,8 @@ groups are committed, the served state is closed), then `exec`s itself with the 
 - the new image starts "dormant" (DORMANT_ENV) where the runs' commit logs are as the old image left them and the
   served state has just the groups it handed over untaken (fewer than a batch): it answers /batch "no batch",
   /status and registrations without loading pyarrow or indexing a shard. The first post, a change in a followed
-  commit log, a trainer that rewinds (a replay), /reset_data or a registration while it holds groups load them,
-  as a first post after a start does (`BatchService.wake`).
+  commit log, a trainer that rewinds (a replay), /latest_example, /reset_data or a registration while it holds
+  groups load them, as a first post after a start does (`BatchService.wake`).
 
 A recycle costs ~0.7 s of CPU (0.5 s to stop and start again, 0.2 s for the next post to load pyarrow) and ~0.5 s
 during which requests wait in the backlog. Steady traffic never looks quiet (the pause must be 4x its recent

@@ -387,8 +387,10 @@ class BatchService:
         stats = log_stats(logs)
         if self._scan()[0] or self._form_quietly() is not None:
             return None
+        last = self.queue.last
         return {"logs": stats, "queued_groups": self.queue.groups,
-                "queued_sequences": sum(self.queue.lane_sequences.values())}
+                "queued_sequences": sum(self.queue.lane_sequences.values()),
+                "last": [last.source, last.row] if last is not None else self._handed.get("last")}
 
     def _form_quietly(self) -> list[Entry] | None:
         """Whether a batch could be formed now, without taking it."""
@@ -1495,14 +1497,15 @@ class BatchService:
                 self._prefetch_task = asyncio.create_task(self._prefetch())
 
     async def latest_example(self) -> bytes | dict[str, Any]:
-        if self.dormant and self._handed["queued_groups"]:
+        if self.dormant and (self._handed["queued_groups"] or self._handed.get("last")):
             await self.wake()
         last = self.queue.last
-        if last is None:
+        # the group posted last, served or not (as Atropos); across a recycle, the old image's
+        key = (last.source, last.row) if last is not None else self._handed.get("last")
+        if key is None:
             return EMPTY_EXAMPLE
         async with self._lock:
-            table = await asyncio.to_thread(
-                self.reader.read, [self._location(last.source, last.row)])
+            table = await asyncio.to_thread(self.reader.read, [self._location(*key)])
         from factory.serve.payload import encode_groups
 
         return encode_groups(table)[0]

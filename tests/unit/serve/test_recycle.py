@@ -133,8 +133,10 @@ def test_a_new_image_starts_dormant_on_what_the_old_one_handed_over_and_serves_e
         status = service.status()
         assert (status["queue_size"], status["queued_sequences"], status["current_step"]) == (1, 4, 2)
         assert orjson.loads((await service.next_batch(False)).raw)["batch"] is None
-        await service.ingest(groups(100, 1))  # a post wakes it
-        assert not service.dormant
+        latest = orjson.loads(await service.latest_example())  # the group posted last, as before the recycle
+        assert latest["tokens"][0][0] == 4 and not service.dormant
+        await service.ingest(groups(100, 1))
+        assert orjson.loads(await service.latest_example())["tokens"][0][0] == 100
         second = await drain(service)
         await service.stop()
         return first, second
@@ -188,11 +190,13 @@ def test_a_dormant_image_with_nothing_queued_takes_a_trainer_and_polls_without_w
         service.register_env(dict(max_token_length=64, desired_name="e", weight=1.0, group_size=4))
         polled = orjson.loads((await service.next_batch(False)).raw)["batch"]
         dormant, status = service.dormant, service.status()
+        latest = orjson.loads(await service.latest_example())  # all served: still the group posted last
         await service.stop()
-        return dormant, polled, status
+        return dormant, polled, status, latest
 
-    dormant, polled, status = asyncio.run(scenario())
+    dormant, polled, status, latest = asyncio.run(scenario())
     assert dormant and polled is None and (status["queue_size"], status["served_groups"]) == (0, 4)
+    assert latest["tokens"][0][0] == 3
 
 
 def test_a_service_whose_logs_cannot_be_named_never_looks_quiet(tmp_path):
