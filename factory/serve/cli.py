@@ -73,13 +73,12 @@ def run_service(config: ServeConfig, *, stop_after_steps: int | None = None, max
 
 
 class RecyclingServer(uvicorn.Server):
-    """uvicorn's server that, once `policy` says so, stops serving as at a SIGTERM and notes that the process is to
-    start again in place (factory/serve/recycle.py)."""
+    """uvicorn's server that, once `policy` says so, stops serving as at a SIGTERM with `service.recycling` set: the
+    process is to start again in place (factory/serve/recycle.py)."""
 
     def __init__(self, config: uvicorn.Config, service: BatchService, policy: RecyclePolicy) -> None:
         super().__init__(config)
         self.service, self.policy = service, policy
-        self.recycle = False
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and counter % 2 == 0 and self.policy.due(
@@ -87,7 +86,7 @@ class RecyclingServer(uvicorn.Server):
             requests_in_flight=len(self.server_state.tasks), heavy_loaded=heavy_modules_loaded(),
         ):
             logger.info("idle after work: starting again in place to give back what the work loaded")
-            self.recycle = self.service.recycling = self.should_exit = True
+            self.service.recycling = self.should_exit = True
         return await super().on_tick(counter)
 
 
@@ -109,7 +108,7 @@ def serve(config: ServeConfig, *, may_recycle: bool = False) -> None:
                                last_recycle_at()),
     )
     server.run(sockets=[listener.dup()])  # uvicorn closes the socket it is given at shutdown; `listener` stays open
-    if server.recycle:
+    if service.recycling:
         exec_again(listener, service.handover)
     listener.close()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -232,7 +233,8 @@ class BatchService:
         self.handover: dict[str, Any] | None = None
         """Set by `stop` while recycling: what the next image may start dormant on (None: it may not)."""
         self._busy_gaps: deque[float] = deque(maxlen=16)
-        self._waking: asyncio.Lock | None = None
+        self._waking = asyncio.Lock()
+        self._wake_task: asyncio.Task[None] | None = None
         self._load()
         self.dormant = handover is not None and self._may_stay_dormant(handover)
         self._handed: dict[str, Any] = handover if self.dormant else {}
@@ -350,6 +352,7 @@ class BatchService:
             self._replay = deque(b for b in self.state.batches_from(self.step) if b[0] < replay_until)
 
     # ---- dormant start (after a recycle) ----
+    @functools.cached_property
     def followed_logs(self) -> list[Path] | None:
         """The commit logs of the runs this service follows (its ingest run first); None where they cannot be named
         without listing the store ('*', or an object store)."""
@@ -361,7 +364,7 @@ class BatchService:
     def _may_stay_dormant(self, handover: dict[str, Any]) -> bool:
         from factory.serve.recycle import log_stats
 
-        logs = self.followed_logs()
+        logs = self.followed_logs
         try:
             queued = int(handover["queued_groups"])
             int(handover["queued_sequences"])
@@ -373,7 +376,7 @@ class BatchService:
     def _logs_moved(self) -> bool:
         from factory.serve.recycle import log_stats
 
-        logs = self.followed_logs()
+        logs = self.followed_logs
         return logs is None or log_stats(logs) != self._handed["logs"]
 
     def _handover(self) -> dict[str, Any] | None:
@@ -381,7 +384,7 @@ class BatchService:
         as of before a last scan that found nothing new, and the groups queued, fewer than a batch."""
         from factory.serve.recycle import log_stats
 
-        logs = self.followed_logs()
+        logs = self.followed_logs
         if logs is None or self._replay or self._stored_ids or self._unreadable:
             return None
         stats = log_stats(logs)
@@ -410,7 +413,7 @@ class BatchService:
         commit in flight, no prefetched batch, no replay, no batch that could be formed."""
         if self.dormant or self._replay or self._prefetched is not None or self._inflight or self._stored_ids:
             return False
-        if self.followed_logs() is None:  # a new image could not start dormant: a recycle would give nothing back
+        if self.followed_logs is None:  # a new image could not start dormant: a recycle would give nothing back
             return False
         if time.monotonic() - self.last_busy < max(idle_s, min(longest_s, 4 * max(self._busy_gaps, default=0.0))):
             return False
@@ -428,8 +431,6 @@ class BatchService:
         and follow the store, as a start that had shards would have."""
         if not self.dormant:
             return
-        if self._waking is None:
-            self._waking = asyncio.Lock()
         async with self._waking:
             if not self.dormant:
                 return
@@ -444,7 +445,8 @@ class BatchService:
         """Lane policies changed: a dormant service holding groups wakes (in a task), since the groups it holds
         may now make a batch."""
         if self.dormant and self._handed["queued_groups"]:
-            asyncio.get_running_loop().create_task(self.wake())
+            # held: the loop keeps only a weak reference to a task
+            self._wake_task = asyncio.get_running_loop().create_task(self.wake())
 
     def _load_index(self) -> None:
         """The indexed shards and compacted blocks: their files, and the queue of groups not taken yet."""
