@@ -107,12 +107,14 @@ class ServeConfig(FactoryConfig):
     )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
     recycle_idle_s: float = Field(
-        0.5, ge=0, description="run-api only: once the queue is empty, no commit or request is in flight and nothing "
-        "arrived for this many seconds, the process stops serving as at a SIGTERM and execs itself in place (same "
+        0.5, ge=0, description="run-api only: once no batch can be formed (fewer than a batch may be queued), no "
+        "commit or request is in flight and nothing arrived for this many seconds (and for 4x its longest recent "
+        "pause), the process stops serving as at a SIGTERM and execs itself in place (same "
         "pid, listening socket kept, requests meanwhile wait in the backlog) so that what the first post loaded "
         "(pyarrow, ~60 MiB) is given back: RSS returns to idle after a drain (factory/serve/recycle.py, "
         "bench/RESULTS.md, issue 29). Idle keep-alive connections are closed; the new image stays dormant (no "
-        "pyarrow) until a post, a followed run's commit or a replay. 0 never recycles.",
+        "pyarrow) until a post, a followed run's commit, a replay, /latest_example, /reset_data or a registration "
+        "while it holds groups. 0 never recycles.",
     )
     recycle_min_interval_s: float = Field(
         60.0, ge=0, description="Least time between two recycles unless the process worked 10 s of CPU since the "
