@@ -62,6 +62,13 @@ class GroupedChunk:
             return self.groups.to_record_batch()
         return schema.groups_to_record_batch(self.groups)
 
+    def release(self) -> None:
+        """Drop the groups and items once the chunk is committed; the counts stay. The rollout task run's Prefect
+        state keeps its result (this object) until a garbage collection frees a reference cycle it sits in, so
+        without this a committed chunk's items and scores outlived it and made the collector walk them (issue 33)."""
+        self.groups = GroupColumns()
+        self.outcomes = []
+
     def stats(self) -> dict[str, Any]:
         return {
             "groups_kept": len(self.groups),

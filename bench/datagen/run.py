@@ -20,9 +20,11 @@
    (vLLM's `return_token_ids`), and two sides are added: the raw client
    asking for them, and the flow with server_type vllm (which asks, so it
    tokenizes nothing itself). The raw limit (baseline) stays the client that
-   asks for no ids (the cheaper answer: the stricter limit); Atropos's process
-   mode does not ask for ids either way, so it tokenizes as before. Every flow
-   call, with ids or without, must write the same rows.
+   asks for no ids (the cheaper answer: the stricter limit); the per-round
+   table also holds each flow to the raw loop making that flow's own calls
+   (asking for ids when the flow does). Atropos's process mode does not ask
+   for ids either way, so it tokenizes as before. Every flow call, with ids
+   or without, must write the same rows.
 3. End to end on the local CPU policy server (starter policy if built, else a
    tiny random one): rollouts/s and the share of wall time in inference.
 """
@@ -270,19 +272,23 @@ def print_rounds(result: harness.Comparison) -> None:
     for i, raw in enumerate(result.values[result.baseline]["groups/s"]):
         for side in flows:
             flow, pipeline = (result.values[side][m][i] for m in ("groups/s", "groups/s, pipeline only"))
+            # The raw loop making this flow's own calls: with ids asked, the answers carry them (bigger bodies).
+            same = result.values[RAW_IDS]["groups/s"][i] if side == INLINE_IDS else raw
             row = [i, "server ids" if side == INLINE_IDS else "no ids", f"{raw:.0f}", f"{flow:.0f}",
-                   f"{flow / raw:.3f}x", f"{pipeline:.0f}", f"{pipeline / raw:.3f}x"]
+                   f"{flow / raw:.3f}x", f"{pipeline:.0f}", f"{pipeline / raw:.3f}x", f"{same:.0f}",
+                   f"{pipeline / same:.3f}x"]
             if have_atropos:
                 theirs = result.values[atropos]["groups/s, pipeline only"][i]
                 whole = result.values[atropos]["groups/s, whole process (report excluded)"][i]
                 row += [f"{theirs:.1f}", f"{pipeline / theirs:.2f}x", f"{flow / whole:.2f}x"]
             rows.append(row)
     harness.print_table(["round", "flow tokens", "raw groups/s", "flow groups/s (whole call)", "flow/raw",
-                         "flow pipeline groups/s", "pipeline/raw",
+                         "flow pipeline groups/s", "pipeline/raw", "raw groups/s, same calls",
+                         "pipeline/raw, same calls",
                          *(["Atropos loop groups/s", "flow pipeline/Atropos loop",
                             "flow whole call/Atropos whole process"] if have_atropos else [])],
                         rows, title="per round: factory flow (inline scoring) vs the raw loop (1 process, no ids "
-                                    "asked) and Atropos (no ids asked)")
+                                    "asked; and making the flow's own calls) and Atropos (no ids asked)")
 
 
 def main(argv: list[str] | None = None) -> None:

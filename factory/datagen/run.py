@@ -361,6 +361,8 @@ class DatagenRun:
     def _commit(self, chunk: int, grouped: Any) -> None:
         d = self.cfg.datagen
         moves = self.committer.commit(chunk, grouped)
+        kept, dropped = len(grouped.groups), dict(grouped.dropped)
+        grouped.release()  # the task run's Prefect state holds it on: let that be its counts, not its items
         if moves is None:
             self.logger.info("chunk %d: thrown away uncommitted, the target of %s groups is reached", chunk,
                              d.target_groups)
@@ -374,9 +376,8 @@ class DatagenRun:
                                  move["from"], move["to"], move["pass_rate"])
             if moves or self.curriculum_throttle.due():  # a new table per chunk was an API call per chunk
                 self._publish_curriculum(chunk)
-        kept = len(grouped.groups)
         self.ops.chunk_committed(groups_kept=kept, rollouts=grouped.rollouts,
-                                 detail=f"chunk {chunk}: kept {kept} groups, dropped {dict(grouped.dropped)}")
+                                 detail=f"chunk {chunk}: kept {kept} groups, dropped {dropped}")
 
     def _publish_curriculum(self, chunk: int) -> None:
         from prefect.artifacts import create_table_artifact

@@ -67,16 +67,19 @@ def test_the_per_round_table_gives_the_flow_to_raw_and_to_atropos_ratios(capsys)
 
 def test_the_per_round_table_shows_the_flow_with_and_without_server_ids(capsys):
     from bench import harness
-    from bench.datagen.run import INLINE, INLINE_IDS, print_rounds
+    from bench.datagen.run import INLINE, INLINE_IDS, RAW_IDS, print_rounds
 
-    result = harness.Comparison("datagen", "raw", ["raw", INLINE, INLINE_IDS], values={
+    result = harness.Comparison("datagen", "raw", ["raw", RAW_IDS, INLINE, INLINE_IDS], values={
         "raw": {"groups/s": [2000.0]},
+        RAW_IDS: {"groups/s": [1500.0]},
         INLINE: {"groups/s": [500.0], "groups/s, pipeline only": [600.0]},
         INLINE_IDS: {"groups/s": [700.0], "groups/s, pipeline only": [900.0]}})
     print_rounds(result)
     out = capsys.readouterr().out
     assert "| no ids |" in out and "| server ids |" in out
     assert "0.300x" in out and "0.450x" in out  # each side's pipeline / the same (no-ids) raw limit
+    assert "| 1500 | 0.600x |" in out  # the ids flow's pipeline / the raw loop asking for ids too (same calls)
+    assert "| 2000 | 0.300x |" in out  # the no-ids flow's own calls are the baseline's
 
 
 def test_instant_server_returns_token_ids_only_when_asked():

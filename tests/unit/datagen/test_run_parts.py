@@ -195,6 +195,22 @@ def test_each_committed_chunk_is_one_progress_record_that_names_what_the_chunk_k
     assert line.endswith(f"(chunk 7: kept 3 groups, dropped {dict(grouped.dropped)})")
 
 
+def test_a_committed_chunk_keeps_only_its_counts(monkeypatch):
+    """The rollout task run's Prefect state holds its result until a garbage collection: once committed, that
+    result must not hold the chunk's groups and items (they were left for the collector to walk, issue 33)."""
+    import prefect.artifacts
+
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", lambda *args: None)
+    run = _run_committing({}, [0.0])
+    run.curriculum = None
+    grouped = grouped_chunk(0, 3)
+    rows = grouped.to_record_batch().num_rows
+    run._commit(0, grouped)
+    assert rows == 3 and run.ops.committed[-1]["groups_kept"] == 3  # reported before the release
+    assert len(grouped) == 0 and grouped.outcomes == [] and grouped.to_record_batch().num_rows == 0
+    assert grouped.rollouts == 6 and grouped.stats()["rollouts"] == 6  # the counts stay
+
+
 def test_a_throttle_told_a_report_was_sent_another_way_waits_a_whole_interval():
     from factory.datagen.run import Throttle
 
