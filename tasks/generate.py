@@ -249,26 +249,31 @@ class GeneratedChunk:
 
 
 async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, max_in_flight: int) -> GeneratedChunk:
-    """Sample a group for every item, at most `max_in_flight` items at once; failures become error rollouts."""
-    gate = asyncio.Semaphore(max_in_flight)
+    """Sample a group for every item, at most `max_in_flight` items at once; failures become error rollouts.
+
+    `max_in_flight` workers take the items in order, each sampling one item at a time: a task and a semaphore wait
+    per item (gather over every item behind a semaphore) cost the event loop ~6 us of a group's ~80 (issue 33)."""
     started, wall = time.perf_counter(), time.time()
     if not env.multi_turn and (prepare := getattr(sampler, "prepare", None)) is not None:
         prepare([item.messages for item in items])  # one-reply items: their prompts are templated as a batch
+    rollouts: list[list[Rollout]] = [[] for _ in items]
+    next_index = iter(range(len(items)))
 
-    async def one(item: Item) -> list[Rollout]:
-        async with gate:
+    async def worker() -> None:
+        for index in next_index:
+            item = items[index]
             try:
-                return await env.collect_trajectories(item, sampler)
+                rollouts[index] = await env.collect_trajectories(item, sampler)
             except EndpointsDown:
                 raise  # no endpoint left: the chunk (and the run) fails now, naming them
             except Exception as error:  # recorded as data; the chunk decides if it is an outage
                 reason = f"generate_error: {type(error).__name__}: {error}"[:300]
                 logger.warning("item %s failed: %s", item.key, reason)
-                return [Rollout(item.key, "", None, None, None, "abort", 0, error=reason)]
+                rollouts[index] = [Rollout(item.key, "", None, None, None, "abort", 0, error=reason)]
 
-    rollouts = await asyncio.gather(*(one(item) for item in items))
+    await asyncio.gather(*(worker() for _ in range(min(max_in_flight, len(items)))))
     failed = sum(1 for group in rollouts if any((r.error or "").startswith("generate_error") for r in group))
-    return GeneratedChunk(list(items), list(rollouts), failed, time.perf_counter() - started, wall)
+    return GeneratedChunk(list(items), rollouts, failed, time.perf_counter() - started, wall)
 
 
 def generate_chunk(
