@@ -230,7 +230,10 @@ def main(argv: list[str] | None = None) -> None:
         if rows:
             cpu, rate, pipeline = (statistics.median(col) for col in zip(*rows))
             plain = PLAIN.get(chunk_items, [])
-            shares = ", ".join(f"{100 * (1 - p / row[0]):.0f}%" for p, row in zip(plain, rows))
+            per_call = [1 - p / row[0] for p, row in zip(plain, rows)]  # each flow call against the plain run before it
+            shares = ", ".join(f"{100 * share:.0f}%" for share in per_call)
+            if len(per_call) > 1:
+                shares += f" (median {100 * statistics.median(per_call):.0f}%)"
             print(f"{chunk_items:11d}  {-(-args.groups // chunk_items):6d}  {cpu:20.0f}  {rate:21.1f}  {pipeline:19.1f}"
                   f"  {min(chunk_items, args.groups) / pipeline:11.2f}"
                   f"  {statistics.median(plain) if plain else float('nan'):14.0f}  {shares}")
