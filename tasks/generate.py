@@ -252,7 +252,8 @@ async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, m
     """Sample a group for every item, at most `max_in_flight` items at once; failures become error rollouts.
 
     `max_in_flight` workers take the items in order, each sampling one item at a time: a task and a semaphore wait
-    per item (gather over every item behind a semaphore) cost the event loop ~6 us of a group's ~80 (issue 33)."""
+    per item (gather over every item behind a semaphore) cost the event loop ~6 us of a group's ~80 with 3000 items
+    a chunk (none resolved with 375; issue 33), and kept a task per item alive."""
     started, wall = time.perf_counter(), time.time()
     if not env.multi_turn and (prepare := getattr(sampler, "prepare", None)) is not None:
         prepare([item.messages for item in items])  # one-reply items: their prompts are templated as a batch
