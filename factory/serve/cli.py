@@ -134,7 +134,7 @@ class _Refused:
 def _refused_modules(config: ServeConfig) -> list[str]:
     """What run-api refuses to load for `config` (see `_Refused`); nothing already loaded."""
     names = ["pandas", "pyarrow._gcsfs", "pyarrow._azurefs", "pyarrow._hdfs"]
-    if "://" not in config.store_root or config.store_root.startswith("file://"):
+    if config.local_store_root is not None:
         names.append("pyarrow._s3fs")
     return [name for name in names if name not in sys.modules]
 

@@ -139,10 +139,17 @@ class ServeConfig(FactoryConfig):
                 raise ValueError(f"env_weights[{name!r}] is {weight}; weights must be >= 0")
         return value
 
+    @property
+    def local_store_root(self) -> Path | None:
+        """store_root as a local directory (a file:// URL's path); None where it is an object store URL."""
+        if "://" in self.store_root and not self.store_root.startswith("file://"):
+            return None
+        return Path(self.store_root.removeprefix("file://"))
+
     def resolved_state_path(self) -> Path:
         if self.state_path:
             return Path(self.state_path)
-        if "://" in self.store_root and not self.store_root.startswith("file://"):
+        if self.local_store_root is None:
             raise ConfigError(f"store_root {self.store_root} is an object store URL: give state_path, a local file for "
                               "the served state (e.g. --state_path ./serve-state.sqlite), and keep it across restarts: "
                               "it is what keeps a served group from being served again")

@@ -356,9 +356,9 @@ class BatchService:
     def followed_logs(self) -> list[Path] | None:
         """The commit logs of the runs this service follows (its ingest run first); None where they cannot be named
         without listing the store ('*', or an object store)."""
-        if "*" in self.config.follow_runs or ("://" in self.config.store_root and not self.config.store_root.startswith("file://")):
+        root = self.config.local_store_root
+        if "*" in self.config.follow_runs or root is None:
             return None
-        root = Path(self.config.store_root.removeprefix("file://"))
         return [root / run / "commits.jsonl" for run in dict.fromkeys([self.config.ingest_run, *self.config.follow_runs])]
 
     def _may_stay_dormant(self, handover: dict[str, Any]) -> bool:
