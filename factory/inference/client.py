@@ -269,7 +269,7 @@ class InferenceClient:
             completions = parse(response.json(), ep)
         except (ValueError, KeyError, TypeError, IndexError) as error:
             raise _Retryable(f"{ep.root}{path}: unreadable answer ({type(error).__name__}: {error})")
-        if any(c.finish_reason == "abort" for c in completions):
+        if "abort" in [c.finish_reason for c in completions]:  # a list, not any() over a generator: per request
             raise _Retryable(f"{ep.root}{path}: generation aborted by the server (weight update?)", eject=False)
         self.pool.succeeded(ep)
         return completions

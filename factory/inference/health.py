@@ -74,9 +74,13 @@ class EndpointHealth:
         return 0.0 if since is None else self.clock() - since
 
     def all_down(self) -> bool:
-        """Every endpoint failing for at least dead_after_s."""
-        return bool(self.roots) and all(
-            self._state[r].failing_since is not None and self.failing_for(r) >= self.dead_after_s for r in self.roots)
+        """Every endpoint failing for at least dead_after_s (asked before every request: a plain loop that stops
+        at the first healthy endpoint, not a generator over all of them)."""
+        for root in self.roots:
+            since = self._state[root].failing_since
+            if since is None or self.clock() - since < self.dead_after_s:
+                return False
+        return bool(self.roots)
 
     def describe(self) -> str:
         """One line: every endpoint with how long it has failed and its last failure."""

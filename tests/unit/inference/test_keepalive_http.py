@@ -119,3 +119,28 @@ def test_failures_raise_httpx_exceptions_the_client_already_handles():
         await http.aclose()
 
     asyncio.run(main())
+
+
+def test_a_read_timeout_fires_on_time_in_each_event_loop_and_other_cancellations_stay_cancellations():
+    http = KeepAliveHttp(timeout=httpx.Timeout(0.3, connect=1.0))
+
+    async def timed_out():
+        server, port, _ = await serve(lambda _request: None)  # never answers
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(httpx.ReadTimeout, match="no answer within 0.3 s"):
+            await http.post(f"http://127.0.0.1:{port}/generate", json={})
+        waited = loop.time() - started
+        assert 0.3 <= waited < 0.3 + 4 * http._read_deadlines.TICK_S
+        assert asyncio.current_task().cancelling() == 0  # the timeout's cancellation was taken back
+        # a caller's own cancellation is not turned into a timeout
+        request = asyncio.create_task(http.post(f"http://127.0.0.1:{port}/generate", json={}))
+        await asyncio.sleep(0.05)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        server.close()
+
+    asyncio.run(timed_out())
+    asyncio.run(timed_out())  # the same client in a second event loop: its timer is that loop's
+    asyncio.run(http.aclose())
