@@ -9,10 +9,10 @@ anything wrong, so a bad group is refused before it reaches a shard.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterable
 from datetime import datetime, timezone
+from json.encoder import encode_basestring
 from typing import Any
 
 import orjson
@@ -47,7 +47,10 @@ _TOKEN_ALIGNED = ("masks", "advantages", "ref_logprobs", "inference_logprobs")
 
 def make_group_id(env: str, item_key: str, seed: int | str, policy_version: int) -> str:
     """Name a group by what produced it, so a retried or resumed chunk yields the same id."""
-    key = json.dumps([env, item_key, str(seed), int(policy_version)], ensure_ascii=False)
+    # json.dumps([env, item_key, str(seed), int(policy_version)], ensure_ascii=False), written out: the same
+    # text (ids stay stable across versions) without the encoder's ~1.7 us, once per group (issue 33)
+    key = (f"[{encode_basestring(env)}, {encode_basestring(item_key)}, {encode_basestring(str(seed))}, "
+           f"{int(policy_version)!r}]")
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 

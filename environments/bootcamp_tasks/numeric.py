@@ -18,6 +18,21 @@ def _digits(rng: random.Random, n: int) -> int:
     return rng.randint(10 ** (n - 1), 10**n - 1) if n > 1 else rng.randint(1, 9)
 
 
+_SIGNED_PRODUCT = re.compile(r"([+-]?)([^+-]+)")
+
+
+def _value(expr: str) -> int:
+    """An expression of non-negative integers joined by + - * (products first), as Python evaluates it: without
+    eval's compile, ~4.5 us of an item's ~22 (issue 33)."""
+    total = 0
+    for sign, product in _SIGNED_PRODUCT.findall(expr):
+        value = 1
+        for factor in product.split("*"):
+            value *= int(factor)
+        total += -value if sign == "-" else value
+    return total
+
+
 class Arithmetic(TaskFamily):
     name = "arithmetic"
     description = "Integer expressions: 2-digit sums at level 1, mixed operations with precedence later."
@@ -25,18 +40,18 @@ class Arithmetic(TaskFamily):
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
         if difficulty == 1:
             a, b = _digits(rng, 2), _digits(rng, 2)
-            expr = f"{a}+{b}"
-        elif difficulty == 2:
+            return f"Compute {a}+{b}.", str(a + b)
+        if difficulty == 2:
             a, b = _digits(rng, 3), _digits(rng, 2)
-            expr = f"{a}{rng.choice('+-')}{b}"
-        elif difficulty == 3:
-            expr = f"{_digits(rng, 2)}*{_digits(rng, 1)}{rng.choice('+-')}{_digits(rng, 2)}"
-        else:
-            terms = [str(_digits(rng, difficulty - 2)) for _ in range(difficulty)]
-            ops = [rng.choice("+-*") for _ in range(difficulty - 1)]
-            expr = terms[0] + "".join(op + t for op, t in zip(ops, terms[1:]))
-        # eval on a string built only from digits and + - * above.
-        return f"Compute {expr}.", str(eval(expr))  # noqa: S307
+            op = rng.choice("+-")
+            return f"Compute {a}{op}{b}.", str(a + b if op == "+" else a - b)
+        if difficulty == 3:
+            a, b, op, c = _digits(rng, 2), _digits(rng, 1), rng.choice("+-"), _digits(rng, 2)
+            return f"Compute {a}*{b}{op}{c}.", str(a * b + c if op == "+" else a * b - c)
+        terms = [str(_digits(rng, difficulty - 2)) for _ in range(difficulty)]
+        ops = [rng.choice("+-*") for _ in range(difficulty - 1)]
+        expr = terms[0] + "".join(op + t for op, t in zip(ops, terms[1:]))
+        return f"Compute {expr}.", str(_value(expr))
 
     def identity(self, case: Case) -> str:
         # a+b is b+a: a level-1 sum is its unordered pair of terms

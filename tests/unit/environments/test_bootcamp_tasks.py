@@ -117,3 +117,16 @@ def test_bad_mix_config_names_the_problem(kwargs, message):
 def test_bad_key_names_the_expected_form():
     with pytest.raises(ValueError, match="<family>:<difficulty>:<seed>"):
         case_from_key("arithmetic-1-2")
+
+
+def test_arithmetic_answers_are_the_expressions_python_value():
+    """The answer is computed without eval; it must be what Python makes of the prompt's expression, at every
+    level (precedence and signs included), so no stored item's answer changes."""
+    arithmetic = FAMILIES["arithmetic"]
+    for level in LEVELS:
+        for seed in range(500):
+            question, answer = arithmetic.make(random.Random(seed), level)
+            expression = question.removeprefix("Compute ").removesuffix(".")
+            assert set(expression) <= set("0123456789+-*")
+            assert answer == str(eval(expression))  # noqa: S307 - digits and + - * only, checked above
+    assert arithmetic.make(random.Random(3), 1) == ("Compute 40+85.", "125")  # the draws themselves are unchanged

@@ -54,3 +54,15 @@ def test_equal_scores_are_kept_when_the_env_allows_it():
     result = group_chunk("ib", [ITEM], [[rollout(1.0), rollout(1.0)]], group_size=2, max_token_length=50,
                          ensure_scores_are_not_same=False)
     assert len(result.groups) == 1
+
+
+def test_group_ids_are_the_sha256_of_the_json_key_they_always_were():
+    """make_group_id writes its key without json.dumps; ids must not change (resumes and dedup match on them)."""
+    import hashlib
+    import json
+
+    for env, key, seed, version in [("ib", "arithmetic:1:42", 0, 0), ("é\"\\\n\t\x01", "鍵 😀 \u2028", "s", 7),
+                                    ("", "", -3, True)]:
+        text = json.dumps([env, key, str(seed), int(version)], ensure_ascii=False)
+        assert make_group_id(env, key, seed, version) == hashlib.sha256(text.encode()).hexdigest()[:32]
+    assert make_group_id("ib", "arithmetic:1:42", 0, 0) == "87132e8467f3e3a8c399e954bfdb5c05"  # as before the change
