@@ -38,19 +38,18 @@ class Arithmetic(TaskFamily):
     description = "Integer expressions: 2-digit sums at level 1, mixed operations with precedence later."
 
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
-        if difficulty == 1:
+        if difficulty == 1:  # the lowest level (the bench's): the sum straight from its terms
             a, b = _digits(rng, 2), _digits(rng, 2)
             return f"Compute {a}+{b}.", str(a + b)
         if difficulty == 2:
             a, b = _digits(rng, 3), _digits(rng, 2)
-            op = rng.choice("+-")
-            return f"Compute {a}{op}{b}.", str(a + b if op == "+" else a - b)
-        if difficulty == 3:
-            a, b, op, c = _digits(rng, 2), _digits(rng, 1), rng.choice("+-"), _digits(rng, 2)
-            return f"Compute {a}*{b}{op}{c}.", str(a * b + c if op == "+" else a * b - c)
-        terms = [str(_digits(rng, difficulty - 2)) for _ in range(difficulty)]
-        ops = [rng.choice("+-*") for _ in range(difficulty - 1)]
-        expr = terms[0] + "".join(op + t for op, t in zip(ops, terms[1:]))
+            expr = f"{a}{rng.choice('+-')}{b}"
+        elif difficulty == 3:
+            expr = f"{_digits(rng, 2)}*{_digits(rng, 1)}{rng.choice('+-')}{_digits(rng, 2)}"
+        else:
+            terms = [str(_digits(rng, difficulty - 2)) for _ in range(difficulty)]
+            ops = [rng.choice("+-*") for _ in range(difficulty - 1)]
+            expr = terms[0] + "".join(op + t for op, t in zip(ops, terms[1:]))
         return f"Compute {expr}.", str(_value(expr))
 
     def identity(self, case: Case) -> str:
