@@ -95,16 +95,10 @@ class Rollout:
 
     @classmethod
     def from_completion(cls, item: Item, completion: Completion) -> Rollout:
-        return cls(
-            item_key=item.key,
-            text=completion.text,
-            prompt_token_ids=completion.prompt_token_ids,
-            output_token_ids=completion.output_token_ids,
-            output_logprobs=completion.output_logprobs,
-            finish_reason=completion.finish_reason,
-            policy_version=completion.policy_version,
-            endpoint=completion.endpoint,
-        )
+        # by position (item_key, text, prompt_token_ids, output_token_ids, output_logprobs, finish_reason,
+        # policy_version, endpoint): keywords cost ~2x on 8 rollouts a group
+        return cls(item.key, completion.text, completion.prompt_token_ids, completion.output_token_ids,
+                   completion.output_logprobs, completion.finish_reason, completion.policy_version, completion.endpoint)
 
 
 class Sampler(Protocol):

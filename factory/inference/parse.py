@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from factory.inference.endpoints import Endpoint
-from factory.inference.types import Completion
+from factory.inference.types import Completion, completion
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "eos": "stop", "tool_calls": "stop",
            "function_call": "stop", "content_filter": "stop"}
@@ -64,7 +64,7 @@ def parse_chat(data: dict[str, Any], ep: Endpoint) -> list[Completion]:
         logprobs = choice.get("logprobs")
         content = (logprobs or {}).get("content")
         reason = choice.get("finish_reason")
-        completions.append(Completion(
+        completions.append(completion(
             choice["message"].get("content") or "",
             shared_prompt_ids or choice.get("prompt_token_ids"),
             choice.get("token_ids"),

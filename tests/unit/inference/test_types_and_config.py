@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from factory.config import ConfigError, build_config
 from factory.inference.client import InferenceConfig
 from factory.inference.endpoints import Endpoint, endpoint_root
 from factory.inference.parse import parse_chat, parse_completions, parse_generate
-from factory.inference.types import SamplingParams
+from factory.inference.types import Completion, SamplingParams, completion
 
 
 def test_sampling_params_map_to_both_wire_formats() -> None:
@@ -71,3 +73,25 @@ def test_parse_openai_answers_without_token_ids() -> None:
     comp = parse_completions({"choices": [{"text": "x", "finish_reason": "length",
                                            "logprobs": {"token_logprobs": [-1.0]}}]}, None, ep)
     assert comp[0].output_logprobs == [-1.0] and comp[0].finish_reason == "length"
+
+
+def test_the_fast_completion_is_a_completion_like_any_other() -> None:
+    """`completion` sets every field of Completion, in its order, and the object stays frozen."""
+    names = [field.name for field in dataclasses.fields(Completion)]
+    values = ["text", [1, 2], [3], [-0.5], "length", 4, "http://h:1"]
+    fast, made = completion(*values), Completion(*values)
+    assert names == ["text", "prompt_token_ids", "output_token_ids", "output_logprobs", "finish_reason",
+                     "policy_version", "endpoint"]
+    assert fast == made and repr(fast) == repr(made) and vars(fast) == vars(made)
+    assert dataclasses.replace(fast, text="other").text == "other"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.text = "changed"  # type: ignore[misc]
+
+
+def test_a_rollout_from_a_completion_keeps_every_field() -> None:
+    from environments.base import Item, Rollout
+
+    made = Rollout.from_completion(Item(key="k", messages=[], answer=None), completion("t", [1], [2], [-0.1], "stop", 3,
+                                                                                       "http://e"))
+    assert made == Rollout(item_key="k", text="t", prompt_token_ids=[1], output_token_ids=[2], output_logprobs=[-0.1],
+                           finish_reason="stop", policy_version=3, endpoint="http://e")
