@@ -16,7 +16,10 @@ each choice's (`token_ids`), as vLLM returns them: the ids the policy's
 tokenizer gives the templated prompt and each answer plus EOS, i.e. the same
 ids a client that tokenizes locally computes, so both modes write the same
 rows. Requests that do not ask get no ids. The server keeps the ids it made
-(by prompt and by answer), so it stays far cheaper than the clients.
+(by prompt and by answer), so it stays far cheaper than the clients. With
+`--tokenizer` it also answers SGLang's `/generate` on token ids (the default
+deployments' path): the prompt's user message is decoded from the ids, so it
+gets the same answers, ids and rows as the chat calls.
 
     python -m bench.datagen.instant_server --port 31500 [--tokenizer bench/out/datagen/tiny-policy]
 """
@@ -45,6 +48,7 @@ class TokenIds:
         self.eos = self.tokenizer.eos_token_id
         self._prompts: dict[str, list[int]] = {}
         self._answers: dict[str, list[int]] = {}
+        self._users: dict[tuple[int, ...], str] = {}
 
     def prompt(self, messages: list[dict]) -> list[int]:
         key = json.dumps(messages)
@@ -56,6 +60,20 @@ class TokenIds:
             ids = self._prompts[key] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
+    def user_text(self, input_ids: list[int]) -> str:
+        """The last user message of a templated prompt given as ids (SGLang's /generate): decoded, then cut out of
+        the template (the bench policy's `<|im_start|>user ... <|im_end|>` turns), so a prompt gets the same answers
+        as the same messages sent to /v1/chat/completions."""
+        key = tuple(input_ids)
+        text = self._users.get(key)
+        if text is None:
+            if len(self._users) > 100_000:
+                self._users.clear()
+            decoded = self.tokenizer.decode(input_ids, skip_special_tokens=False)
+            text = decoded.rpartition("<|im_start|>user\n")[2].partition("<|im_end|>")[0]
+            self._users[key] = text
+        return text
+
     def answer(self, text: str) -> list[int]:
         ids = self._answers.get(text)
         if ids is None:
@@ -66,14 +84,18 @@ class TokenIds:
 TOKEN_IDS: TokenIds | None = None
 
 
-def chat_response(body: dict) -> dict:
-    text = body["messages"][-1]["content"]
+def answers(text: str, n: int) -> list[str]:
+    """The n answers to a user message: a function of its text and the choice's index only."""
     found = _NUMBERS.search(text)
     right = int(found.group(1)) + int(found.group(2)) if found else 4
-    n = int(body.get("n") or 1)
     offsets = [(0, 0, 1, -1)[zlib.crc32(f"{text}|{i}".encode()) % 4] for i in range(n)]
-    choices = [{"index": i, "message": {"role": "assistant", "content": f"<answer>{right + offsets[i]}</answer>"},
-                "finish_reason": "stop"} for i in range(n)]
+    return [f"<answer>{right + offset}</answer>" for offset in offsets]
+
+
+def chat_response(body: dict) -> dict:
+    n = int(body.get("n") or 1)
+    choices = [{"index": i, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+               for i, answer in enumerate(answers(body["messages"][-1]["content"], n))]
     usage = {"prompt_tokens": 16, "completion_tokens": 6 * n, "total_tokens": 16 + 6 * n}
     answer = {"id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
               "choices": choices, "usage": usage}
@@ -82,6 +104,21 @@ def chat_response(body: dict) -> dict:
         for choice in choices:
             choice["token_ids"] = TOKEN_IDS.answer(choice["message"]["content"])
     return answer
+
+
+def generate_response(body: dict) -> list[dict] | dict:
+    """SGLang's /generate on token ids (needs --tokenizer): one dict per sample, a list when n > 1. No logprobs,
+    whatever `return_logprob` says, so the rows equal the chat sides' (which get none either)."""
+    if TOKEN_IDS is None:
+        raise ValueError("/generate needs the server started with --tokenizer")
+    params = body.get("sampling_params") or {}
+    n = int(params.get("n") or 1)
+    ids = body["input_ids"]
+    samples = [{"text": answer, "output_ids": TOKEN_IDS.answer(answer),
+                "meta_info": {"id": "bench", "finish_reason": {"type": "stop", "matched": TOKEN_IDS.eos},
+                              "prompt_tokens": len(ids), "completion_tokens": len(TOKEN_IDS.answer(answer))}}
+               for answer in answers(TOKEN_IDS.user_text(ids), n)]
+    return samples if n > 1 else samples[0]
 
 
 async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,6 +131,8 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             raw = await reader.readexactly(int(headers.get("content-length", 0)))
             if path.endswith("/chat/completions") and method == "POST":
                 status, payload = 200, chat_response(json.loads(raw))
+            elif path == "/generate" and method == "POST":
+                status, payload = 200, generate_response(json.loads(raw))
             elif path in ("/health", "/v1/models", "/models"):
                 status, payload = 200, {"object": "list", "data": [{"id": "m", "object": "model"}]}
             else:

@@ -17,9 +17,12 @@
    apart). Ratios are to the raw limit within each round; each flow side is
    called once before the rounds (a worker's start-up is not its rate).
    With `--server-token-ids` the instant server can also return token ids
-   (vLLM's `return_token_ids`), and two sides are added: the raw client
-   asking for them, and the flow with server_type vllm (which asks, so it
-   tokenizes nothing itself). The raw limit (baseline) stays the client that
+   (vLLM's `return_token_ids`) and answer SGLang's `/generate`, and three
+   sides are added: the raw client asking for ids, the flow with server_type
+   vllm (which asks, so it tokenizes nothing itself), and the flow with
+   server_type sglang (the default deployments' path: it templates and
+   encodes each prompt, sends the ids to /generate and gets the answers'
+   ids back; the raw loop has no such call). The raw limit (baseline) stays the client that
    asks for no ids (the cheaper answer: the stricter limit); the per-round
    table also holds each flow to the raw loop making that flow's own calls
    (asking for ids when the flow does). Atropos's process mode does not ask
@@ -214,6 +217,9 @@ def end_to_end(groups: int, group_size: int, store: Path) -> dict:
 
 INLINE, PROCESSES = "factory flow, inline scoring", "factory flow, scorer processes"
 INLINE_IDS, RAW_IDS = "factory flow, inline scoring, server token ids", "raw client asking for token ids"
+INLINE_GENERATE = "factory flow, inline scoring, SGLang /generate"
+"""The default deployments' path (server_type sglang): the flow templates and encodes each prompt and sends its ids;
+the server returns the answers' ids."""
 
 
 def stage_profile(base_url: str, groups: int, group_size: int, chunk_items: int, tokenizer: Path, work: Path,
@@ -269,16 +275,18 @@ def print_rounds(result: harness.Comparison) -> None:
     """The issue's ratios round by round: the flow (inline scoring) to the raw loop and to Atropos's process mode."""
     atropos = "atroposlib 0.4.0 process mode"
     have_atropos = atropos in result.sides
-    flows = [side for side in (INLINE, INLINE_IDS) if side in result.sides]
+    flows = [side for side in (INLINE, INLINE_IDS, INLINE_GENERATE) if side in result.sides]
+    tokens = {INLINE: "no ids", INLINE_IDS: "server ids", INLINE_GENERATE: "/generate (ids both ways)"}
     rows = []
     for i, raw in enumerate(result.values[result.baseline]["groups/s"]):
         for side in flows:
             flow, pipeline = (result.values[side][m][i] for m in ("groups/s", "groups/s, pipeline only"))
             # The raw loop making this flow's own calls: with ids asked, the answers carry them (bigger bodies).
+            # The raw loop has no /generate calls (it cannot tokenize a prompt): that row has no same-calls ratio.
             same = result.values[RAW_IDS]["groups/s"][i] if side == INLINE_IDS else raw
-            row = [i, "server ids" if side == INLINE_IDS else "no ids", f"{raw:.0f}", f"{flow:.0f}",
-                   f"{flow / raw:.3f}x", f"{pipeline:.0f}", f"{pipeline / raw:.3f}x", f"{same:.0f}",
-                   f"{pipeline / same:.3f}x"]
+            row = [i, tokens[side], f"{raw:.0f}", f"{flow:.0f}", f"{flow / raw:.3f}x", f"{pipeline:.0f}",
+                   f"{pipeline / raw:.3f}x", *((f"{same:.0f}", f"{pipeline / same:.3f}x") if side != INLINE_GENERATE
+                                               else ("-", "-"))]
             if have_atropos:
                 theirs = result.values[atropos]["groups/s, pipeline only"][i]
                 whole = result.values[atropos]["groups/s, whole process (report excluded)"][i]
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-atropos", action="store_true", help="leave out atroposlib's process mode")
     parser.add_argument("--server-token-ids", action="store_true",
                         help="add the raw client and the flow asking the server for token ids (vLLM's "
-                             "return_token_ids)")
+                             "return_token_ids), and the flow on SGLang's /generate")
     harness.add_bench_args(parser)
     args = parser.parse_args(argv)
     if args.e2e_groups is None:
@@ -340,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
                 sides[1:1] = [harness.Side(RAW_IDS, lambda: raw_side(best, url, raw_groups, n, token_ids=True))]
                 sides.insert(3, harness.Side(INLINE_IDS, lambda: factory_flow(
                     url, g, n, tokenizer, work / "store", "inline, ids", server_type="vllm", score_mode="inline")))
+                sides.insert(4, harness.Side(INLINE_GENERATE, lambda: factory_flow(
+                    url, g, n, tokenizer, work / "store", "inline, /generate", server_type="sglang",
+                    score_mode="inline")))
             if atropos is not None:
                 sides.append(harness.Side("atroposlib 0.4.0 process mode",
                                           lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     if atropos_side in result.sides:
         metric = "groups/s, pipeline only"
         rows = []
-        for side in (side for side in (INLINE, INLINE_IDS, PROCESSES) if side in result.sides):
+        for side in (side for side in (INLINE, INLINE_IDS, INLINE_GENERATE, PROCESSES) if side in result.sides):
             low, high = result.spread(side, metric, versus=atropos_side)
             rows.append((side, f"{result.median_ratio(side, metric, versus=atropos_side):.2f}x", f"{low:.2f}-{high:.2f}x"))
         harness.print_table(["side (pipeline only)", "vs Atropos process mode (median)", "min-max"], rows,

@@ -29,6 +29,8 @@ def _finish(reason: Any) -> str:
 def parse_generate(data: Any, prompt_ids: list[int], ep: Endpoint) -> list[Completion]:
     """SGLang /generate: one dict, or a list of them when n > 1."""
     items = data if isinstance(data, list) else [data]
+    prompt = list(prompt_ids)  # one copy of the sent ids, shared by the answer's completions as a chat answer's is
+    root = ep.root
     completions = []
     for item in items:
         meta = item["meta_info"]
@@ -38,11 +40,9 @@ def parse_generate(data: Any, prompt_ids: list[int], ep: Endpoint) -> list[Compl
         if logprobs is not None and len(logprobs) != len(output_ids):
             raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
         version = weight_version_of(meta)
-        completions.append(Completion(
-            text=item.get("text", ""), prompt_token_ids=list(prompt_ids), output_token_ids=list(output_ids),
-            output_logprobs=logprobs, finish_reason=_finish(meta.get("finish_reason")),
-            policy_version=ep.policy_version if version is None else version, endpoint=ep.root,
-        ))
+        completions.append(completion(item.get("text", ""), prompt, list(output_ids), logprobs,
+                                      _finish(meta.get("finish_reason")),
+                                      ep.policy_version if version is None else version, root))
     return completions
 
 

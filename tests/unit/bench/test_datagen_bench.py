@@ -111,6 +111,42 @@ def test_instant_server_token_ids_are_the_ids_the_worker_computes_itself(tmp_pat
         [(c.prompt_token_ids, c.output_token_ids) for c in local]
 
 
+def test_instant_server_generate_gives_the_chat_answers_and_ids(tmp_path, monkeypatch):
+    """SGLang's /generate on the prompt's ids (as the flow templates them) gets the answers and ids the chat call
+    gets, so the /generate flow writes the same rows as the chat sides."""
+    from factory.inference.endpoints import Endpoint
+    from factory.inference.parse import parse_chat, parse_generate
+    from factory.inference.tiny_model import make_tiny_policy
+    from tasks.generate import load_tokenizer, prompt_ids
+
+    policy = make_tiny_policy(tmp_path / "policy")
+    monkeypatch.setattr(instant_server, "TOKEN_IDS", instant_server.TokenIds(str(policy)))
+    messages = [{"role": "user", "content": "Compute 12+30. Put the answer in <answer></answer>."}]
+    ids = prompt_ids(load_tokenizer(str(policy)), messages)
+    ep = Endpoint("http://x")
+    chat = parse_chat(instant_server.chat_response({"n": 4, "messages": messages, "return_token_ids": True}), ep)
+    generated = parse_generate(instant_server.generate_response(
+        {"input_ids": ids, "sampling_params": {"n": 4}, "return_logprob": True}), ids, ep)
+    assert [(c.text, c.prompt_token_ids, c.output_token_ids, c.finish_reason) for c in generated] == \
+        [(c.text, c.prompt_token_ids, c.output_token_ids, c.finish_reason) for c in chat]
+    assert instant_server.generate_response({"input_ids": ids, "sampling_params": {"n": 1}})["text"] == chat[0].text
+
+
+def test_the_per_round_table_has_no_same_calls_ratio_for_generate(capsys):
+    from bench import harness
+    from bench.datagen.run import INLINE, INLINE_GENERATE, INLINE_IDS, RAW_IDS, print_rounds
+
+    result = harness.Comparison("datagen", "raw", ["raw", RAW_IDS, INLINE, INLINE_IDS, INLINE_GENERATE], values={
+        "raw": {"groups/s": [2000.0]},
+        RAW_IDS: {"groups/s": [1500.0]},
+        INLINE: {"groups/s": [500.0], "groups/s, pipeline only": [600.0]},
+        INLINE_IDS: {"groups/s": [700.0], "groups/s, pipeline only": [900.0]},
+        INLINE_GENERATE: {"groups/s": [400.0], "groups/s, pipeline only": [560.0]}})
+    print_rounds(result)
+    out = capsys.readouterr().out
+    assert "| /generate (ids both ways) | 2000 | 400 | 0.200x | 560 | 0.280x | - | - |" in out
+
+
 def test_raw_client_asks_for_token_ids_with_the_flag(monkeypatch):
     import json
 
