@@ -22,8 +22,8 @@
    vllm (which asks, so it tokenizes nothing itself), and the flow with
    server_type sglang (the default deployments' path: it templates and
    encodes each prompt, sends the ids to /generate and gets the answers'
-   ids back; the raw loop has no such call). The raw limit (baseline) stays the client that
-   asks for no ids (the cheaper answer: the stricter limit); the per-round
+   ids back; the raw loop has no such call). The raw limit (baseline) stays
+   the client that asks for no ids (the cheaper answer: the stricter limit); the per-round
    table also holds each flow to the raw loop making that flow's own calls
    (asking for ids when the flow does). Atropos's process mode does not ask
    for ids either way, so it tokenizes as before. Every flow call, with ids
