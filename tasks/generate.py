@@ -25,7 +25,7 @@ from environments.base import BaseEnv, EnvSpec, Item, Rollout, load_env, text_me
 from factory.datagen.heap import freeze_startup_heap
 from factory.inference.client import InferenceClient, InferenceConfig
 from factory.inference.health import EndpointsDown
-from factory.inference.types import Completion, SamplingParams, completion
+from factory.inference.types import Completion, SamplingParams
 from factory.slurm_cluster import resolve_node_local, worker_identity
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def _with_tokens(c: Completion, prompt: list[int] | None, output: list[int] | No
                  logprobs: list[float] | None) -> Completion:
     """`c` with its token ids and logprobs set: `dataclasses.replace` without its per-call field walk (~8x
     cheaper; tests/unit/tasks/test_tokenize_same_as_before.py checks that these are all of Completion's fields)."""
-    return completion(c.text, prompt, output, logprobs, c.finish_reason, c.policy_version, c.endpoint)
+    return Completion(c.text, prompt, output, logprobs, c.finish_reason, c.policy_version, c.endpoint)
 
 
 class _SamplingLoop:

@@ -114,10 +114,12 @@ def generate_response(body: dict) -> list[dict] | dict:
     params = body.get("sampling_params") or {}
     n = int(params.get("n") or 1)
     ids = body["input_ids"]
-    samples = [{"text": answer, "output_ids": TOKEN_IDS.answer(answer),
-                "meta_info": {"id": "bench", "finish_reason": {"type": "stop", "matched": TOKEN_IDS.eos},
-                              "prompt_tokens": len(ids), "completion_tokens": len(TOKEN_IDS.answer(answer))}}
-               for answer in answers(TOKEN_IDS.user_text(ids), n)]
+    samples = []
+    for answer in answers(TOKEN_IDS.user_text(ids), n):
+        output = TOKEN_IDS.answer(answer)
+        samples.append({"text": answer, "output_ids": output,
+                        "meta_info": {"id": "bench", "finish_reason": {"type": "stop", "matched": TOKEN_IDS.eos},
+                                      "prompt_tokens": len(ids), "completion_tokens": len(output)}})
     return samples if n > 1 else samples[0]
 
 

@@ -283,10 +283,10 @@ def print_rounds(result: harness.Comparison) -> None:
             flow, pipeline = (result.values[side][m][i] for m in ("groups/s", "groups/s, pipeline only"))
             # The raw loop making this flow's own calls: with ids asked, the answers carry them (bigger bodies).
             # The raw loop has no /generate calls (it cannot tokenize a prompt): that row has no same-calls ratio.
-            same = result.values[RAW_IDS]["groups/s"][i] if side == INLINE_IDS else raw
+            same = result.values[RAW_IDS]["groups/s"][i] if side == INLINE_IDS else raw if side == INLINE else None
             row = [i, tokens[side], f"{raw:.0f}", f"{flow:.0f}", f"{flow / raw:.3f}x", f"{pipeline:.0f}",
-                   f"{pipeline / raw:.3f}x", *((f"{same:.0f}", f"{pipeline / same:.3f}x") if side != INLINE_GENERATE
-                                               else ("-", "-"))]
+                   f"{pipeline / raw:.3f}x",
+                   *(("-", "-") if same is None else (f"{same:.0f}", f"{pipeline / same:.3f}x"))]
             if have_atropos:
                 theirs = result.values[atropos]["groups/s, pipeline only"][i]
                 whole = result.values[atropos]["groups/s, whole process (report excluded)"][i]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from factory.inference.endpoints import Endpoint
-from factory.inference.types import Completion, completion
+from factory.inference.types import Completion
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "eos": "stop", "tool_calls": "stop",
            "function_call": "stop", "content_filter": "stop"}
@@ -40,7 +40,7 @@ def parse_generate(data: Any, prompt_ids: list[int], ep: Endpoint) -> list[Compl
         if logprobs is not None and len(logprobs) != len(output_ids):
             raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
         version = weight_version_of(meta)
-        completions.append(completion(item.get("text", ""), prompt, list(output_ids), logprobs,
+        completions.append(Completion(item.get("text", ""), prompt, list(output_ids), logprobs,
                                       _finish(meta.get("finish_reason")),
                                       ep.policy_version if version is None else version, root))
     return completions
@@ -64,7 +64,7 @@ def parse_chat(data: dict[str, Any], ep: Endpoint) -> list[Completion]:
         logprobs = choice.get("logprobs")
         content = (logprobs or {}).get("content")
         reason = choice.get("finish_reason")
-        completions.append(completion(
+        completions.append(Completion(
             choice["message"].get("content") or "",
             shared_prompt_ids or choice.get("prompt_token_ids"),
             choice.get("token_ids"),

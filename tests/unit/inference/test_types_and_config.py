@@ -10,7 +10,7 @@ from factory.config import ConfigError, build_config
 from factory.inference.client import InferenceConfig
 from factory.inference.endpoints import Endpoint, endpoint_root
 from factory.inference.parse import parse_chat, parse_completions, parse_generate
-from factory.inference.types import Completion, SamplingParams, completion
+from factory.inference.types import Completion, SamplingParams
 
 
 def test_sampling_params_map_to_both_wire_formats() -> None:
@@ -75,11 +75,11 @@ def test_parse_openai_answers_without_token_ids() -> None:
     assert comp[0].output_logprobs == [-1.0] and comp[0].finish_reason == "length"
 
 
-def test_the_fast_completion_is_a_completion_like_any_other() -> None:
-    """`completion` sets every field of Completion, in its order, and the object stays frozen."""
+def test_completion_init_sets_every_field_and_stays_frozen() -> None:
+    """Completion's own __init__ sets every field, in its order, by position or keyword; the object stays frozen."""
     names = [field.name for field in dataclasses.fields(Completion)]
     values = ["text", [1, 2], [3], [-0.5], "length", 4, "http://h:1"]
-    fast, made = completion(*values), Completion(*values)
+    fast, made = Completion(*values), Completion(**dict(zip(names, values)))
     assert names == ["text", "prompt_token_ids", "output_token_ids", "output_logprobs", "finish_reason",
                      "policy_version", "endpoint"]
     assert fast == made and repr(fast) == repr(made) and vars(fast) == vars(made)
@@ -91,7 +91,7 @@ def test_the_fast_completion_is_a_completion_like_any_other() -> None:
 def test_a_rollout_from_a_completion_keeps_every_field() -> None:
     from environments.base import Item, Rollout
 
-    made = Rollout.from_completion(Item(key="k", messages=[], answer=None), completion("t", [1], [2], [-0.1], "stop", 3,
+    made = Rollout.from_completion(Item(key="k", messages=[], answer=None), Completion("t", [1], [2], [-0.1], "stop", 3,
                                                                                        "http://e"))
     assert made == Rollout(item_key="k", text="t", prompt_token_ids=[1], output_token_ids=[2], output_logprobs=[-0.1],
                            finish_reason="stop", policy_version=3, endpoint="http://e")
