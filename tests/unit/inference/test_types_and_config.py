@@ -91,7 +91,7 @@ def test_completion_init_sets_every_field_and_stays_frozen() -> None:
 def test_a_rollout_from_a_completion_keeps_every_field() -> None:
     from environments.base import Item, Rollout
 
-    made = Rollout.from_completion(Item(key="k", messages=[], answer=None), Completion("t", [1], [2], [-0.1], "stop", 3,
-                                                                                       "http://e"))
+    made = Rollout.from_completion(Item(key="k", messages=[], answer=None),
+                                   Completion("t", [1], [2], [-0.1], "stop", 3, "http://e"))
     assert made == Rollout(item_key="k", text="t", prompt_token_ids=[1], output_token_ids=[2], output_logprobs=[-0.1],
                            finish_reason="stop", policy_version=3, endpoint="http://e")
