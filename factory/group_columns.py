@@ -26,7 +26,7 @@ from typing import Any, overload
 import numpy as np
 import pyarrow as pa
 
-from environments.groups import ScoredGroup
+from environments.groups import MASK_IGNORE, ScoredGroup
 from factory.schema import GROUP_SCHEMA, _column, _numeric, _strings
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -150,6 +150,69 @@ class GroupColumns(Sequence[ScoredGroup]):
         self.lengths.extend(lengths)
         self.sizes.append(size)
         self.has_logprobs.append(inference_logprobs is not None)
+        self.scores.extend(scores)
+        self.policy_versions.append(policy_version)
+        self.created_us.append(time.time_ns() // 1000)
+        self.group_ids.append(group_id)
+        self.envs.append(env)
+        self.item_keys.append(item_key)
+        self.run_ids.append(run_id)
+        self.messages.append(messages_json)
+        self.generation_params.append(self._last_params[1])
+        self.images.append(images_json)
+        self.difficulty.append(difficulty)
+        self._starts = None
+        return True
+
+    def add_shared_prompt(self, *, prompt: list[int], outputs: list[list[int]], logprobs: list[list[float]] | None,
+                          scores: list[float], messages_json: str, generation_params: dict[str, Any] | None,
+                          images: Any, group_id: str, env: str, item_key: str, policy_version: int, run_id: str,
+                          difficulty: int | None) -> bool:
+        """`add` for the common group: one-reply sequences that share one prompt, each `prompt + output` with the
+        prompt masked (and given logprob 1.0). The same rows as `add` of `sequence_tokens`' lists, without those
+        lists: the prompt is converted once and each output once. False (nothing appended) where `add` would
+        refuse; `outputs` must be non-empty lists, `logprobs` (if given) one per output and aligned with it."""
+        size = len(outputs)
+        if not (size and prompt and type(group_id) is str and group_id and type(env) is str
+                and type(item_key) is str and type(run_id) is str and type(policy_version) is int
+                and policy_version >= 0 and len(scores) == size and type(messages_json) is str
+                and (difficulty is None or (type(difficulty) is int and _INT32[0] <= difficulty < _INT32[1]))):
+            return False
+        for score in scores:
+            if type(score) is not float or not math.isfinite(score):
+                return False
+        if generation_params is not None and (type(generation_params) is not dict
+                                              or not all(type(k) is str for k in generation_params)):
+            return False
+        try:
+            images_json = _json(images)
+            if self._last_params[0] is not generation_params:
+                self._last_params = (generation_params, _json(generation_params))
+        except (TypeError, ValueError):
+            return False
+        tokens, masks = self.tokens, self.masks
+        marks = len(tokens), len(masks), len(self.logprobs)
+        width = len(prompt)
+        try:  # the arrays check every value: an id out of int32, or not an int, is refused (as in `add`)
+            prompt_ids = array("i", prompt)
+            ignored = array("i", [MASK_IGNORE]) * width
+            for output in outputs:
+                ids = array("i", output)
+                tokens += prompt_ids
+                tokens += ids
+                masks += ignored
+                masks += ids
+            if logprobs is not None:
+                prompt_logprobs = array("d", [1.0]) * width
+                for values in logprobs:
+                    self.logprobs += prompt_logprobs
+                    self.logprobs.extend(values)
+        except (TypeError, OverflowError):
+            del tokens[marks[0]:], masks[marks[1]:], self.logprobs[marks[2]:]
+            return False
+        self.lengths.extend([width + len(output) for output in outputs])
+        self.sizes.append(size)
+        self.has_logprobs.append(logprobs is not None)
         self.scores.extend(scores)
         self.policy_versions.append(policy_version)
         self.created_us.append(time.time_ns() // 1000)

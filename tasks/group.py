@@ -195,6 +195,58 @@ def group_fields(
     }
 
 
+def _shared_prompt_group(result: GroupedChunk, env: str, item: Item, rollouts: Sequence[Rollout],
+                         options: dict[str, Any]) -> str | bool | None:
+    """`group_chunk`'s step for the common group (one reply per rollout, one prompt list shared by all, none
+    failed): added to `result.groups` straight from the rollouts, and counted; True, or the drop reason. None
+    (nothing done) for any other group, which then takes `group_fields`; both write the same rows
+    (tests/unit/tasks/test_group_columns.py)."""
+    prompt = rollouts[0].prompt_token_ids if rollouts else None
+    if type(prompt) is not list or not prompt:
+        return None
+    outputs, scores, texts = [], [], []
+    logprobs: list[Any] | None = []
+    for r in rollouts:
+        output = r.output_token_ids
+        if (r.error is not None or r.score is None or type(output) is not list or not output
+                or r.prompt_token_ids is not prompt or r.messages is not None or r.output_mask is not None
+                or type(r.text) is not str):
+            return None
+        outputs.append(output)
+        scores.append(float(r.score))
+        texts.append(r.text)
+        if logprobs is not None:
+            values = r.output_logprobs
+            if values is None or len(values) != len(output):
+                logprobs = None
+            else:
+                logprobs.append(values)
+    reason: str | None = None
+    if len(rollouts) != options["group_size"]:
+        reason = "wrong_size"
+    elif len(prompt) + max(map(len, outputs)) > options["max_token_length"]:
+        reason = "too_long"
+    elif options["ensure_scores_are_not_same"] and len(scores) > 1 and len(set(scores)) == 1:
+        reason = "equal_scores"
+    else:
+        messages_json = one_reply_messages_json(item.messages, texts)
+        policy_version = min(r.policy_version for r in rollouts)
+        if messages_json is None or not result.groups.add_shared_prompt(
+                prompt=prompt, outputs=outputs, logprobs=logprobs, scores=scores, messages_json=messages_json,
+                generation_params=options["generation_params"], images=item.info.get("images"),
+                group_id=make_group_id(env, item.key, options["seed"], policy_version), env=env,
+                item_key=item.key, policy_version=policy_version, run_id=options["run_id"],
+                difficulty=item.info.get("difficulty")):
+            return None
+    result.rollouts += len(rollouts)
+    for output, score in zip(outputs, scores):  # one by one, as the general path sums them
+        result.completion_tokens += len(output)
+        result.score_sum += score
+    result.scored += len(scores)
+    result.outcomes.append((item, scores))
+    return reason or True
+
+
 def group_chunk(
     env: str,
     items: Sequence[Item],
@@ -215,6 +267,10 @@ def group_chunk(
                "ensure_scores_are_not_same": ensure_scores_are_not_same, "generation_params": generation_params}
     for item, group_rollouts in zip(items, rollouts):
         columnar = isinstance(result.groups, GroupColumns)
+        if columnar and (outcome := _shared_prompt_group(result, env, item, group_rollouts, options)) is not None:
+            if outcome is not True:
+                result.dropped[outcome] += 1
+            continue
         result.rollouts += len(group_rollouts)
         for r in group_rollouts:
             result.completion_tokens += len(r.output_token_ids or [])

@@ -236,3 +236,51 @@ def test_one_reply_messages_json_refuses_what_scoredgroup_or_json_would_not_keep
     for prompt in ([{"content": "no role"}], [{"role": "u", "content": "c", 1: "int key"}], ["not a dict"],
                    [{"role": "u", "content": math.nan}]):
         assert one_reply_messages_json(prompt, ["a"]) is None
+
+
+def _spoiled_chunk(rng: random.Random) -> tuple[list[Item], list[list[Rollout]]]:
+    """Shared prompts, with a group of each drop reason, one without logprobs and one whose prompt is a copy."""
+    items, rollouts = chunk(rng, 14, difficulty=2)
+    rollouts[0][1].error = "generate_error: x"
+    rollouts[1] = rollouts[1][:2]
+    rollouts[2][0].output_token_ids = list(range(60))
+    for r in rollouts[3]:
+        r.score = 0.5
+    rollouts[4][2].output_logprobs = None
+    rollouts[5][1].prompt_token_ids = list(rollouts[5][1].prompt_token_ids)
+    rollouts[6][0].score = 1  # an int score: stored as the float ScoredGroup makes of it
+    return items, rollouts
+
+
+def test_shared_prompt_groups_skip_group_fields_and_count_as_the_general_path(monkeypatch):
+    import tasks.group as grouping
+
+    items, rollouts = _spoiled_chunk(random.Random(29))
+    calls = []
+    general = grouping.group_fields
+    monkeypatch.setattr(grouping, "group_fields", lambda *a, **k: calls.append(a[1].key) or general(*a, **k))
+    fast = group_chunk("env", items, rollouts, **OPTIONS, generation_params={"temperature": 0.5})
+    assert calls == [items[0].key, items[5].key]  # the failed group and the one whose prompt is not shared
+    monkeypatch.setattr(grouping, "_shared_prompt_group", lambda *a: None)
+    slow = group_chunk("env", items, rollouts, **OPTIONS, generation_params={"temperature": 0.5})
+    assert dict(fast.dropped) == dict(slow.dropped) == {"failed": 1, "wrong_size": 1, "too_long": 1, "equal_scores": 1}
+    assert fast.stats() == slow.stats() and fast.outcomes == slow.outcomes
+    assert without_created_at(fast.to_record_batch()).equals(without_created_at(slow.to_record_batch()))
+    expected = reference(items, rollouts, generation_params={"temperature": 0.5})
+    assert without_created_at(fast.to_record_batch()).equals(without_created_at(groups_to_record_batch(expected)))
+
+
+def test_add_shared_prompt_refuses_what_add_refuses_and_leaves_the_columns_as_they_were():
+    columns = GroupColumns()
+    good = {"prompt": [7, 8], "outputs": [[1, 2], [3]], "logprobs": [[-0.5, -1.0], [-2.0]], "scores": [1.0, 0.0],
+            "messages_json": "[]", "generation_params": None, "images": None, "group_id": "g", "env": "e",
+            "item_key": "k", "policy_version": 0, "run_id": "r", "difficulty": None}
+    assert columns.add_shared_prompt(**good)
+    for spoiled in ({"outputs": [[1, 2.5], [3]]}, {"outputs": [[1, 2**40], [3]]}, {"scores": [math.inf, 0.0]},
+                    {"scores": [1, 0.0]}, {"policy_version": -1}, {"difficulty": "3"}, {"group_id": ""},
+                    {"generation_params": {1: 2}}, {"images": [math.nan]}, {"logprobs": [[-0.5, "x"], [-2.0]]},
+                    {"prompt": []}, {"outputs": []}):
+        assert not columns.add_shared_prompt(**{**good, **spoiled}), spoiled
+    assert len(columns) == 1 and list(columns.tokens) == [7, 8, 1, 2, 7, 8, 3]
+    assert list(columns.masks) == [-100, -100, 1, 2, -100, -100, 3]
+    assert columns[0].inference_logprobs == [[1.0, 1.0, -0.5, -1.0], [1.0, 1.0, -2.0]]
