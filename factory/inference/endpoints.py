@@ -58,7 +58,8 @@ class EndpointPool:
         self.probe_interval_s = probe_interval_s
         self.health_path = health_path
         self._http = http
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[tuple[asyncio.Future, float]] = deque()  # (waiter, its monotonic deadline)
+        self._expiry: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
         self._turn = 0
         self.watch: Any = None
         """A started HealthWatch, or None (no background checks, no EndpointsDown)."""
@@ -99,19 +100,38 @@ class EndpointPool:
                 states = "; ".join(f"{e.root}: {'in rotation' if e.healthy else 'out'}, {e.in_flight} in flight, "
                                    f"last failure {e.last_failure}" for e in self.endpoints)
                 raise NoEndpointAvailable(f"no inference endpoint had room before the deadline ({states})")
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            self._waiters.append((waiter, deadline))
+            self._watch_deadlines(loop)
             try:
-                await asyncio.wait_for(waiter, remaining)
-            except TimeoutError:
-                pass
-            finally:
-                if not waiter.done():
-                    waiter.cancel()
-                try:
-                    self._waiters.remove(waiter)
-                except ValueError:
-                    pass
+                await waiter  # woken by a release (room, maybe), a verdict, or its deadline
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # room was handed to this request as it was cancelled: hand it on
+                raise
+
+    EXPIRY_TICK_S = 0.05
+    """How often waiting requests' deadlines are checked: one timer for all of them, not one per wait
+    (`asyncio.wait_for` per wait cost the datagen bench ~3% of its CPU, issue 33); a deadline passes up to this late."""
+
+    def _watch_deadlines(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._expiry is None or self._expiry[0] is not loop:
+            self._expiry = (loop, loop.call_later(self.EXPIRY_TICK_S, self._expire, loop))
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the waiters past their deadline (they then fail, unless room came); forget finished ones."""
+        now = time.monotonic()
+        waiting: deque[tuple[asyncio.Future, float]] = deque()
+        for waiter, deadline in self._waiters:
+            if waiter.done():
+                continue
+            if deadline <= now:
+                waiter.set_result(None)
+            else:
+                waiting.append((waiter, deadline))
+        self._waiters = waiting
+        self._expiry = (loop, loop.call_later(self.EXPIRY_TICK_S, self._expire, loop)) if waiting else None
 
     def release(self, ep: Endpoint) -> None:
         ep.in_flight -= 1
@@ -119,7 +139,7 @@ class EndpointPool:
 
     def _wake(self) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter, _ = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
@@ -127,7 +147,7 @@ class EndpointPool:
     def wake_all(self) -> None:
         """Wake every waiting request (to see a new verdict)."""
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter, _ = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -198,6 +218,9 @@ class EndpointPool:
                 self._start_probe(ep)
 
     async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry[1].cancel()
+            self._expiry = None
         if self.watch is not None:
             await self.watch.stop()
         for ep in self.endpoints:

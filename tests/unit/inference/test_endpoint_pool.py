@@ -50,3 +50,24 @@ def test_repeated_failures_take_an_endpoint_out_and_a_success_resets_the_count()
         await pool.close()
 
     asyncio.run(go())
+
+
+def test_a_waiter_cancelled_as_room_reaches_it_hands_the_room_on() -> None:
+    async def go():
+        pool = _pool(cap=1)
+        pool.endpoints.pop()  # one endpoint, one slot
+        taken = await pool.acquire(time.monotonic() + 1)
+        first = asyncio.create_task(pool.acquire(time.monotonic() + 5))
+        second = asyncio.create_task(pool.acquire(time.monotonic() + 5))
+        await asyncio.sleep(0.01)
+        pool.release(taken)  # wakes `first`...
+        first.cancel()  # ...which is cancelled before it runs
+        assert (await asyncio.wait_for(second, 1)).root == "http://a"
+        assert first.cancelled()
+        started = time.monotonic()
+        with pytest.raises(NoEndpointAvailable):  # a deadline still ends a wait, within a tick of it
+            await pool.acquire(time.monotonic() + 0.1)
+        assert 0.1 <= time.monotonic() - started < 0.1 + 2 * pool.EXPIRY_TICK_S + 0.2
+        await pool.close()
+
+    asyncio.run(go())
