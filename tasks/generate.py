@@ -77,6 +77,7 @@ class ClientSampler:
         self.client, self.tokenizer, self.api = client, tokenizer, api
         self._prompt_cache: dict[str, list[int]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._unprepared: list[Sequence[list[dict[str, Any]]]] = []
         if tokenizer is not None:
             serial_tokenizers()
 
@@ -84,16 +85,19 @@ class ClientSampler:
         """The prompts a chunk is about to sample: the first one that needs its token ids templates and encodes
         all of them in one call each (the per-call Python of `apply_chat_template` is paid once per chunk, not
         once per prompt). Nothing is done until then: a chat server that returns prompt ids never needs them."""
-        if self.tokenizer is None:
-            return
-        for messages in conversations:
-            key = repr(messages)
-            if key not in self._prompt_cache:
-                self._pending[key] = messages
+        if self.tokenizer is not None:
+            self._unprepared.append(conversations)  # keyed when the first prompt's ids are needed
 
     def _ids(self, messages: list[dict[str, Any]]) -> list[int]:
         key = repr(messages)
         ids = self._prompt_cache.get(key)
+        if ids is None and self._unprepared:
+            for conversations in self._unprepared:
+                for prepared in conversations:
+                    prepared_key = repr(prepared)
+                    if prepared_key not in self._prompt_cache:
+                        self._pending[prepared_key] = prepared
+            self._unprepared = []
         if ids is None and key in self._pending:
             self._template_pending()
             ids = self._prompt_cache.get(key)
@@ -137,6 +141,10 @@ class ClientSampler:
                       prompt_ids: list[int] | None = None) -> list[Completion]:
         """Token ids for a group's completions: the server's where it returned them, else one batched encode of
         the rest (one tokenizer call per group, not one per completion); the prompt is templated once."""
+        if all(c.prompt_token_ids and c.output_token_ids is not None
+               and (c.output_logprobs is None or len(c.output_logprobs) == len(c.output_token_ids))
+               for c in completions):
+            return completions  # the server gave every id (and aligned logprobs): nothing to change
         missing = [c.text for c in completions if c.output_token_ids is None]
         encoded = iter(encode_texts(self.tokenizer, missing) if missing else [])
         prompt = None if all(c.prompt_token_ids for c in completions) else (prompt_ids or self._ids(messages))
