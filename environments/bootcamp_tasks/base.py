@@ -25,6 +25,7 @@ ANSWER_FORMAT = "Put the answer in <answer></answer>."
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
 
 
 class RewardConfig(FactoryConfig):
@@ -56,10 +57,12 @@ def parse_key(key: str) -> tuple[str, int, int]:
 
 def extract_answer(completion: str) -> str | None:
     """The text of the last `<answer>` tag outside any `<think>` block, or None."""
-    visible = _THINK.sub("", completion)
-    if "<think>" in visible.lower():
-        # An unclosed think block: nothing after it counts as an answer.
-        visible = visible[: visible.lower().index("<think>")]
+    visible = completion
+    if "<think>" in completion.lower() or _THINK_OPEN.search(completion):  # else nothing to cut (most replies)
+        visible = _THINK.sub("", completion)
+        if "<think>" in visible.lower():
+            # An unclosed think block: nothing after it counts as an answer.
+            visible = visible[: visible.lower().index("<think>")]
     found = _ANSWER.findall(visible)
     return found[-1].strip() if found else None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from environments.bootcamp_tasks import (
     FAMILIES,
@@ -130,3 +132,22 @@ def test_arithmetic_answers_are_the_expressions_python_value():
             assert set(expression) <= set("0123456789+-*")
             assert answer == str(eval(expression))  # noqa: S307 - digits and + - * only, checked above
     assert arithmetic.make(random.Random(3), 1) == ("Compute 40+85.", "125")  # the draws themselves are unchanged
+
+
+def _extract_answer_with_the_regex_always(completion: str) -> str | None:
+    """extract_answer as it was before it skipped the think regex on replies without a think tag."""
+    import re
+
+    visible = re.sub(r"<think>.*?</think>", "", completion, flags=re.DOTALL | re.IGNORECASE)
+    if "<think>" in visible.lower():
+        visible = visible[: visible.lower().index("<think>")]
+    found = re.findall(r"<answer>(.*?)</answer>", visible, flags=re.DOTALL | re.IGNORECASE)
+    return found[-1].strip() if found else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<THINK>", "</Think>", "<thİnk>", "<thinK>", "<answer>",
+                                 "</answer>", "<ANSWER>", " 12 ", "x", "\n", "İ", "K"]), max_size=12))
+def test_extract_answer_is_what_it_was_with_the_think_regex_always_run(parts):
+    text = "".join(parts)
+    assert extract_answer(text) == _extract_answer_with_the_regex_always(text)
