@@ -148,20 +148,8 @@ class GroupColumns(Sequence[ScoredGroup]):
             del self.tokens[marks[0]:], self.masks[marks[1]:], self.logprobs[marks[2]:]
             return False
         self.lengths.extend(lengths)
-        self.sizes.append(size)
-        self.has_logprobs.append(inference_logprobs is not None)
-        self.scores.extend(scores)
-        self.policy_versions.append(policy_version)
-        self.created_us.append(time.time_ns() // 1000)
-        self.group_ids.append(group_id)
-        self.envs.append(env)
-        self.item_keys.append(item_key)
-        self.run_ids.append(run_id)
-        self.messages.append(messages_json)
-        self.generation_params.append(self._last_params[1])
-        self.images.append(images_json)
-        self.difficulty.append(difficulty)
-        self._starts = None
+        self._append_fields(size, inference_logprobs is not None, scores, policy_version, group_id, env, item_key,
+                            run_id, messages_json, images_json, difficulty)
         return True
 
     def add_shared_prompt(self, *, prompt: list[int], outputs: list[list[int]], logprobs: list[list[float]] | None,
@@ -211,8 +199,16 @@ class GroupColumns(Sequence[ScoredGroup]):
             del tokens[marks[0]:], masks[marks[1]:], self.logprobs[marks[2]:]
             return False
         self.lengths.extend([width + len(output) for output in outputs])
+        self._append_fields(size, logprobs is not None, scores, policy_version, group_id, env, item_key, run_id,
+                            messages_json, images_json, difficulty)
+        return True
+
+    def _append_fields(self, size: int, has_logprobs: bool, scores: list[float], policy_version: int, group_id: str,
+                       env: str, item_key: str, run_id: str, messages_json: str | None, images_json: str | None,
+                       difficulty: int | None) -> None:
+        """A checked group's per-group columns, after its sequences (generation_params: `_last_params`)."""
         self.sizes.append(size)
-        self.has_logprobs.append(logprobs is not None)
+        self.has_logprobs.append(has_logprobs)
         self.scores.extend(scores)
         self.policy_versions.append(policy_version)
         self.created_us.append(time.time_ns() // 1000)
@@ -225,7 +221,6 @@ class GroupColumns(Sequence[ScoredGroup]):
         self.images.append(images_json)
         self.difficulty.append(difficulty)
         self._starts = None
-        return True
 
     # ---- the shard's rows ----
     def to_record_batch(self) -> pa.RecordBatch:
