@@ -110,30 +110,24 @@ class GroupColumns(Sequence[ScoredGroup]):
         Sequences may be lists or arrays ("i" for ids and masks, "d" for logprobs). `messages_json`, instead of
         `messages`: their stored text, made by `one_reply_messages_json`."""
         size = len(tokens)
-        if not (size and type(group_id) is str and group_id and type(env) is str and type(item_key) is str
-                and type(run_id) is str and type(policy_version) is int and policy_version >= 0
-                and (difficulty is None or (type(difficulty) is int and _INT32[0] <= difficulty < _INT32[1]))):
-            return False
-        if len(masks) != size or len(scores) != size or not all(type(s) is float and math.isfinite(s) for s in scores):
+        if not self._group_fields_kept(size, scores, generation_params, group_id, env, item_key, run_id,
+                                       policy_version, difficulty):
             return False
         lengths = [len(sequence) for sequence in tokens]
-        if 0 in lengths or [len(m) for m in masks] != lengths:
+        if len(masks) != size or 0 in lengths or [len(m) for m in masks] != lengths:
             return False
         if inference_logprobs is not None and (len(inference_logprobs) != size
                                                or [len(lp) for lp in inference_logprobs] != lengths):
-            return False
-        if generation_params is not None and (type(generation_params) is not dict
-                                              or not all(type(k) is str for k in generation_params)):
             return False
         if messages_json is None and not _messages_as_validated(messages, size):
             return False
         try:
             if messages_json is None:
                 messages_json = _json(messages)
-            images_json = _json(images)
-            if self._last_params[0] is not generation_params:
-                self._last_params = (generation_params, _json(generation_params))
         except (TypeError, ValueError):  # not storable: the ScoredGroup path raises it at commit, as it did
+            return False
+        storable, images_json = self._stored_json(images, generation_params)
+        if not storable:
             return False
         marks = len(self.tokens), len(self.masks), len(self.logprobs)
         try:  # the arrays check every value: an int out of int32, or a value that is not an int, is refused
@@ -161,22 +155,11 @@ class GroupColumns(Sequence[ScoredGroup]):
         lists: the prompt is converted once and each output once. False (nothing appended) where `add` would
         refuse; `outputs` must be non-empty lists, `logprobs` (if given) one per output and aligned with it."""
         size = len(outputs)
-        if not (size and prompt and type(group_id) is str and group_id and type(env) is str
-                and type(item_key) is str and type(run_id) is str and type(policy_version) is int
-                and policy_version >= 0 and len(scores) == size and type(messages_json) is str
-                and (difficulty is None or (type(difficulty) is int and _INT32[0] <= difficulty < _INT32[1]))):
+        if not (prompt and type(messages_json) is str and self._group_fields_kept(
+                size, scores, generation_params, group_id, env, item_key, run_id, policy_version, difficulty)):
             return False
-        for score in scores:
-            if type(score) is not float or not math.isfinite(score):
-                return False
-        if generation_params is not None and (type(generation_params) is not dict
-                                              or not all(type(k) is str for k in generation_params)):
-            return False
-        try:
-            images_json = _json(images)
-            if self._last_params[0] is not generation_params:
-                self._last_params = (generation_params, _json(generation_params))
-        except (TypeError, ValueError):
+        storable, images_json = self._stored_json(images, generation_params)
+        if not storable:
             return False
         tokens, masks = self.tokens, self.masks
         marks = len(tokens), len(masks), len(self.logprobs)
@@ -202,6 +185,27 @@ class GroupColumns(Sequence[ScoredGroup]):
         self._append_fields(size, logprobs is not None, scores, policy_version, group_id, env, item_key, run_id,
                             messages_json, images_json, difficulty)
         return True
+
+    @staticmethod
+    def _group_fields_kept(size: int, scores: list[float], generation_params: Any, group_id: Any, env: Any,
+                           item_key: Any, run_id: Any, policy_version: Any, difficulty: Any) -> bool:
+        """Whether ScoredGroup would keep a group's own fields as they are (both `add`s check these)."""
+        return bool(size and type(group_id) is str and group_id and type(env) is str and type(item_key) is str
+                    and type(run_id) is str and type(policy_version) is int and policy_version >= 0
+                    and (difficulty is None or (type(difficulty) is int and _INT32[0] <= difficulty < _INT32[1]))
+                    and len(scores) == size and all(type(s) is float and math.isfinite(s) for s in scores)
+                    and (generation_params is None or (type(generation_params) is dict
+                                                       and all(type(k) is str for k in generation_params))))
+
+    def _stored_json(self, images: Any, generation_params: dict[str, Any] | None) -> tuple[bool, str | None]:
+        """(storable, the images' JSON); the params' JSON is kept in `_last_params` (a chunk's groups share one)."""
+        try:
+            images_json = _json(images)
+            if self._last_params[0] is not generation_params:
+                self._last_params = (generation_params, _json(generation_params))
+        except (TypeError, ValueError):  # not storable: the ScoredGroup path raises it at commit, as it did
+            return False, None
+        return True, images_json
 
     def _append_fields(self, size: int, has_logprobs: bool, scores: list[float], policy_version: int, group_id: str,
                        env: str, item_key: str, run_id: str, messages_json: str | None, images_json: str | None,
