@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from bench.datagen import instant_server, raw_client
 
@@ -153,3 +154,26 @@ def test_raw_client_asks_for_token_ids_with_the_flag(monkeypatch):
     assert "return_token_ids" not in json.loads(raw_client.body(3, 8))
     monkeypatch.setitem(raw_client.EXTRA, "return_token_ids", True)
     assert json.loads(raw_client.body(3, 8))["return_token_ids"] is True
+
+
+def test_instant_server_answers_a_repeated_request_from_its_cache_with_the_same_bytes(monkeypatch):
+    monkeypatch.setattr(instant_server, "_answers", {})
+    body = json.dumps({"n": 2, "messages": [{"role": "user", "content": "Compute 3+4."}]}).encode()
+    first = instant_server.encoded_answer("POST", "/v1/chat/completions", body)
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b'"<answer>7</answer>"' in first
+
+    async def ask_twice() -> list[bytes]:
+        server = await asyncio.start_server(instant_server.handle, "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        answers = []
+        for _ in range(2):
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            answers.append(head + await reader.readexactly(length))
+        writer.close()
+        server.close()
+        return answers
+
+    assert asyncio.run(ask_twice()) == [first, first]
+    assert list(instant_server._answers) == [("POST /v1/chat/completions", body)]
