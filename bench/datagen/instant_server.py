@@ -124,10 +124,12 @@ def generate_response(body: dict) -> list[dict] | dict:
     return samples if n > 1 else samples[0]
 
 
-ANSWER_CACHE_MAX = 200_000
+ANSWER_CACHE_MAX = 100_000
 """Encoded answers kept per worker, by (path, request body). The bench sends the same requests round after round
 (every side calls the same items), and building an answer with token ids cost this server 160-270 us of CPU a
-request (more than the flow's client), on the 2 cores the clients run on. A cached answer costs a lookup."""
+request (more than the flow's client), on the 2 cores the clients run on. A cached answer costs a lookup. A run
+of G groups keeps about G answers (1-2 KB each) per kind of request: chat with and without ids, /generate, and
+Atropos's bodies."""
 
 _answers: dict[tuple[str, bytes], bytes] = {}
 
