@@ -149,8 +149,6 @@ def test_the_per_round_table_has_no_same_calls_ratio_for_generate(capsys):
 
 
 def test_raw_client_asks_for_token_ids_with_the_flag(monkeypatch):
-    import json
-
     assert "return_token_ids" not in json.loads(raw_client.body(3, 8))
     monkeypatch.setitem(raw_client.EXTRA, "return_token_ids", True)
     assert json.loads(raw_client.body(3, 8))["return_token_ids"] is True
