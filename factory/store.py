@@ -59,7 +59,6 @@ from factory.store_records import table as make_table
 logger = logging.getLogger(__name__)
 
 _NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]{0,127}$")
-WRITE_BATCH_GROUPS = 64
 _SCALAR_COLUMNS = [f.name for f in GROUP_SCHEMA if not pa.types.is_list(f.type)]
 _SMALL_COLUMNS = [f.name for f in GROUP_SCHEMA if pa.types.is_integer(f.type) or pa.types.is_timestamp(f.type)
                   or f.name in ("group_id", "run_id", "env", "item_key")]
@@ -83,7 +82,6 @@ PARQUET_OPTIONS: dict[str, Any] = {
     # Min/max statistics only where they pay: on the scalar columns.
     "write_statistics": _SCALAR_COLUMNS,
 }
-"""Groups converted to Arrow at a time while writing: bounds the writer's memory."""
 READ_BATCH_GROUPS = 64
 
 
@@ -998,8 +996,7 @@ class ShardStore:
         if isinstance(groups, (pa.RecordBatch, pa.Table)):
             return _write_rows(path, groups, row_group_groups, on_written)
         if callable(to_record_batch := getattr(groups, "to_record_batch", None)):  # a datagen chunk, built as columns
-            # row groups of WRITE_BATCH_GROUPS, as the groups written one batch at a time below: the same file
-            return _write_rows(path, to_record_batch(), min(row_group_groups, WRITE_BATCH_GROUPS), on_written)
+            return _write_rows(path, to_record_batch(), row_group_groups, on_written)  # the file the loop below writes
         rows = 0
         pending: list[ScoredGroup] = []
         index_rows: tuple[list[Any], ...] = ([], [], [], [])
@@ -1018,7 +1015,7 @@ class ShardStore:
                     pending.append(group)
                     for column, value in zip(index_rows, (group.env, group.env_id, group.policy_version, group.group_size)):
                         column.append(value)
-                    if len(pending) >= WRITE_BATCH_GROUPS:
+                    if len(pending) >= row_group_groups:  # one row group converted to Arrow at a time: bounded memory
                         writer.write_batch(groups_to_record_batch(pending), row_group_size=row_group_groups)
                         rows += len(pending)
                         pending.clear()

@@ -13,6 +13,7 @@ import pickle
 import random
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -181,16 +182,18 @@ def test_slices_trim_the_rows_and_pickle_keeps_them():
 
 def test_the_shard_is_byte_for_byte_the_scoredgroup_paths(tmp_path):
     rng = random.Random(19)
-    items, rollouts = chunk(rng, 150)  # more than one row group of 64
+    items, rollouts = chunk(rng, 300)  # more than one row group of 256
     grouped = group_chunk("env", items, rollouts, **OPTIONS, generation_params={"temperature": 0.5})
     same_groups = list(grouped.groups)  # ScoredGroups, created_at included
-    assert len(same_groups) > 64
+    assert len(same_groups) > 256
     columns_store, groups_store = ShardStore(tmp_path / "columns"), ShardStore(tmp_path / "groups")
     written = columns_store.commit("run", "p", 0, grouped)
     before = groups_store.commit("run", "p", 0, same_groups)
     assert (written.rows, written.bytes, written.sha256, written.index) == (before.rows, before.bytes, before.sha256,
                                                                            before.index)
     assert columns_store.shard_path("run", written.shard).read_bytes() == groups_store.shard_path("run", before.shard).read_bytes()
+    metadata = pq.ParquetFile(columns_store.shard_path("run", written.shard)).metadata  # the commit's row groups of 256
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [256, len(same_groups) - 256]
     assert columns_store.commit("run", "p", 0, grouped).skipped
     empty = group_chunk("env", [], [], **OPTIONS)
     assert columns_store.commit("run", "p", 1, empty).sha256 == groups_store.commit("run", "p", 1, []).sha256
