@@ -281,7 +281,12 @@ async def generate_items(env: BaseEnv, items: Sequence[Item], sampler: Any, *, m
                 rollouts[index] = [Rollout(item.key, "", None, None, None, "abort", 0, error=reason)]
 
     await asyncio.gather(*(worker() for _ in range(min(max_in_flight, len(items)))))
-    failed = sum(1 for group in rollouts if any((r.error or "").startswith("generate_error") for r in group))
+    failed = 0
+    for group in rollouts:  # plain loops: a generator per group cost ~1.5 us of a group's ~200 (issue 33)
+        for rollout in group:
+            if rollout.error is not None and rollout.error.startswith("generate_error"):
+                failed += 1
+                break
     return GeneratedChunk(list(items), rollouts, failed, time.perf_counter() - started, wall)
 
 

@@ -230,7 +230,7 @@ def _shared_prompt_group(result: GroupedChunk, env: str, item: Item, rollouts: S
         reason = "equal_scores"
     else:
         messages_json = one_reply_messages_json(item.messages, texts)
-        policy_version = min(r.policy_version for r in rollouts)
+        policy_version = min([r.policy_version for r in rollouts])
         if messages_json is None or not result.groups.add_shared_prompt(
                 prompt=prompt, outputs=outputs, logprobs=logprobs, scores=scores, messages_json=messages_json,
                 generation_params=options["generation_params"], images=item.info.get("images"),
@@ -239,9 +239,11 @@ def _shared_prompt_group(result: GroupedChunk, env: str, item: Item, rollouts: S
                 difficulty=item.info.get("difficulty")):
             return None
     result.rollouts += len(rollouts)
-    for output, score in zip(outputs, scores):  # one by one, as the general path sums them
-        result.completion_tokens += len(output)
-        result.score_sum += score
+    result.completion_tokens += sum(map(len, outputs))
+    score_sum = result.score_sum
+    for score in scores:  # one by one, in order, as the general path adds them: the same float
+        score_sum += score
+    result.score_sum = score_sum
     result.scored += len(scores)
     result.outcomes.append((item, scores))
     return reason or True

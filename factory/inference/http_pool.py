@@ -128,7 +128,8 @@ class KeepAliveHttp:
         task = deadlines.watch(timeout)
         try:
             writer.write(data)
-            await writer.drain()
+            if writer.transport.get_write_buffer_size():  # else all of it went to the socket: nothing to wait for
+                await writer.drain()
             try:
                 head = await reader.readuntil(b"\r\n\r\n")
             except asyncio.IncompleteReadError as error:

@@ -25,3 +25,16 @@ def test_equal_configs_in_any_order_share_one_env_also_after_pickling():
     assert load_env(a, setup=False) is load_env(b, setup=False) is load_env(copy, setup=False)
     other = EnvSpec(IB, {"group_size": 5, "task_name": "arithmetic"})
     assert load_env(other, setup=False) is not load_env(a, setup=False)
+
+
+def test_sampling_is_made_once_and_always_says_what_the_config_says():
+    env = EnvSpec(IB, {"task_name": "arithmetic", "max_tokens": 16}).build()
+    first = env.sampling()
+    assert env.sampling() is first and (first.temperature, first.top_p, first.max_tokens) == (1.0, 1.0, 16)
+    env.config.temperature = 0.5  # a changed config gives new settings
+    assert env.sampling().temperature == 0.5 and first.temperature == 1.0
+    changed = env.sampling()
+    changed.stop = ["</answer>"]  # so does settings object changed by whoever got it
+    assert env.sampling() is not changed and env.sampling().stop is None
+    changed.stop, changed.max_tokens = None, 3
+    assert env.sampling().max_tokens == 16

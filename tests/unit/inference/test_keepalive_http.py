@@ -65,6 +65,23 @@ def test_keeps_one_connection_alive_and_sends_json_and_headers():
     assert b"Authorization: Bearer k\r\n" in first and first.endswith(b'{"n":2}')
 
 
+def test_a_body_larger_than_the_socket_buffer_is_sent_whole_before_the_answer_is_read():
+    prompt = list(range(2_000_000))  # ~15 MB of JSON: the kernel takes a part, the rest waits in the transport
+
+    async def main():
+        server, port, seen = await serve(lambda request: ok(b'{"bytes": %d}' % len(request.split(b"\r\n\r\n", 1)[1])))
+        http = KeepAliveHttp(timeout=TIMEOUT)
+        for _ in range(2):
+            response = await http.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": prompt})
+            assert response.json() == {"bytes": len(seen["requests"][-1].split(b"\r\n\r\n", 1)[1])}
+        await http.aclose()
+        server.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["connections"] == 1 and all(request.endswith(b"1999999]}") for request in seen["requests"])
+
+
 def test_a_connection_the_server_closed_is_replaced_without_an_error():
     async def main():
         server, port, seen = await serve(lambda _request: ok(), close_after=1)
