@@ -135,10 +135,11 @@ def fastest_one_process(rows: list[dict]) -> dict:
     return max((row for row in rows if row["procs"] == 1), key=lambda row: row["groups_per_s"])
 
 
-RAW_MIN_GROUPS = 10_000
-"""The raw loop's timed window is at least this many groups: it runs ~5,000-15,000 groups/s, so 1000 groups is a
+RAW_MIN_GROUPS = 40_000
+"""The raw loop's timed window is at least this many groups: it runs ~15,000-25,000 groups/s, so 1000 groups is a
 0.1 s window whose rate swung 8,000-18,700 groups/s between rounds (09:26 UTC, 2026-11-26) and made every ratio to
-it noise. A rate over a longer window of the same calls is the same quantity, measured steadily."""
+it noise; 10,000 groups (~0.5 s) still swung 9,400-21,000 in one run (2026-11-28), against a flow pipeline timed
+over ~3 s. ~2 s windows: a rate over a longer window of the same calls is the same quantity, measured steadily."""
 
 
 def raw_side(best: dict, base_url: str, groups: int, group_size: int, token_ids: bool = False) -> float:
@@ -354,9 +355,10 @@ def main(argv: list[str] | None = None) -> None:
             if atropos is not None:
                 sides.append(harness.Side("atroposlib 0.4.0 process mode",
                                           lambda: atropos_process(atropos, url, g, n, tokenizer, work)))
-            phase("warm-up: one flow call per scoring mode (imports, tokenizer, Prefect engine), not timed")
-            for side in sides:  # a datagen worker is long-lived: round 0 would otherwise time its start-up
-                if side.name.startswith("factory flow"):
+            phase("warm-up: one call of each flow and raw side (imports, tokenizer, Prefect engine, the server's "
+                  "answers), not timed")
+            for side in sides:  # a datagen worker is long-lived: round 0 would otherwise time its start-up; the raw
+                if not side.name.startswith("atroposlib"):  # loop is warmed too, so neither gets a warm-up alone
                     side.run()
             ROWS_WRITTEN.clear()
             phase(f"{pairs} interleaved round(s) of {len(sides)} sides")
