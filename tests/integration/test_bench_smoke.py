@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BENCHES = sorted(path.parent.name for path in (REPO / "bench").glob("*/run.py"))
 MODULES = [f"bench.{name}.run" for name in BENCHES] + ["bench.serve.drain_rss", "bench.shards.object_store",
-                                                       "bench.shards.stats_fold"]
+                                                       "bench.shards.stats_fold", "bench.datagen.instructions"]
 """Every bench/*/run.py, and the benches that are not a folder's run.py (bench.shards' startup_ab and compact_ab
 run at their smoke size in tests/unit/store/test_scale_bench_smoke.py)."""
 TIMEOUT_S = float(os.environ.get("BENCH_SMOKE_TIMEOUT_S", "300"))
