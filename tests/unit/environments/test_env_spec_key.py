@@ -34,7 +34,7 @@ def test_sampling_is_made_once_and_always_says_what_the_config_says():
     env.config.temperature = 0.5  # a changed config gives new settings
     assert env.sampling().temperature == 0.5 and first.temperature == 1.0
     changed = env.sampling()
-    changed.stop = ["</answer>"]  # so does settings object changed by whoever got it
+    changed.stop = ["</answer>"]  # and so does a settings object that whoever got it changed
     assert env.sampling() is not changed and env.sampling().stop is None
     changed.stop, changed.max_tokens = None, 3
     assert env.sampling().max_tokens == 16
