@@ -5,7 +5,7 @@
 
 On this shared 2-core machine a timed A/B of the worker moves 10-20% from call to call, and the same code in
 both sides of an interleaved pair gave 0.93x (issue 33, 2026-11-28): changes worth 1-5% cannot be seen in time.
-Instructions executed are deterministic (two runs of one checkout agree to 0.1%). They do not weigh a cache miss
+Instructions executed are deterministic (two runs of one checkout agree to 0.2%). They do not weigh a cache miss
 or a copy like time does (a garbage collector's pass over scattered objects, `memcpy` of large buffers), so a
 change that moves memory rather than instructions still needs a timed A/B; for Python-level work they are the
 measure that can see a few percent.
@@ -15,8 +15,10 @@ as `bench.datagen.stages` does: items drawn by the environment, `generate_items`
 over the `InferenceClient` (the instant server returns token ids, vLLM's `return_token_ids`), `score_chunk`
 inline, `group_generated`, and `write_shard` (Arrow, Parquet, fsync, commit log). One chunk runs first,
 uncounted (imports, tokenizer, first connections); counting is switched on for the next `--groups` groups only.
-The instant server runs outside valgrind. Needs valgrind (Debian's `valgrind` package); results go to
-bench/results/datagen-instructions.jsonl.
+The instant server runs outside valgrind. The loop is this file's own rather than `stages.plain_worker` (which
+also hashes the rows it wrote, and differs between checkouts): both sides run this checkout's driver over their own
+environments/, tasks/ and factory/ code, so only that code differs between A and B. Needs valgrind (Debian's
+`valgrind` package); results go to bench/results/datagen-instructions.jsonl.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Inside valgrind: one uncounted chunk, then `--groups` counted groups; prints the rows written."""
+    """Inside valgrind: one uncounted chunk, then `--groups` counted groups; prints the groups kept."""
     sys.path.insert(0, str(args.checkout))
     import asyncio
 
     from environments.base import EnvSpec, load_env
     from factory.inference.client import InferenceClient, InferenceConfig
-    from factory.store import ShardStore
     from flows.datagen import ENVIRONMENTS
     from tasks.generate import ClientSampler, generate_items, load_tokenizer
     from tasks.group import group_generated
@@ -61,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     if freeze_startup_heap is not None:
         freeze_startup_heap()
-    root = Path(args.store)
+    store = str(args.store)
     kept = 0
 
     def counting(on: bool) -> None:
@@ -85,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
                     score_chunk(spec, generated.items, generated.rollouts, mode="inline")
                     grouped = group_generated(env.name, generated, group_size=args.group_size,
                                               max_token_length=2048, ensure_scores_are_not_same=False, run_id="ir")
-                    write_shard(str(root), "ir", "instructions", chunk, grouped)
+                    write_shard(store, "ir", "instructions", chunk, grouped)
                     if counted:
                         kept += len(grouped.groups)
                     chunk += 1
@@ -93,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
                     counting(False)
 
     asyncio.run(run())
-    print(json.dumps({"kept": kept, "rows": ShardStore(root).count("ir")}))
+    print(json.dumps({"kept": kept}))
 
 
 def count(checkout: Path, url: str, tokenizer: str, groups: int, group_size: int, chunk_items: int) -> dict[str, Any]:
