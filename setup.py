@@ -1,9 +1,15 @@
-"""The one compiled part: numjson.c, the batching API's reader of posted number lists (factory/serve/numjson.py).
+"""The compiled parts, each optional (where one cannot be built the install still succeeds and its Python path runs):
 
-A plain shared library loaded with ctypes, built at install time; optional: where it cannot be built, the
-install still succeeds and run-api decodes bodies with msgspec alone. Everything else is in pyproject.toml.
+- numjson.c, the batching API's reader of posted number lists (factory/serve/numjson.py): a plain shared library
+  loaded with ctypes;
+- group_arrays.c, a datagen group's token/mask/logprob arrays (factory/group_columns.py): a CPython extension.
+
+Both are built at install time, nothing at run time. Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("factory.serve._numjson", ["factory/serve/numjson.c"], extra_compile_args=["-O2"], optional=True)])
+setup(ext_modules=[
+    Extension("factory.serve._numjson", ["factory/serve/numjson.c"], extra_compile_args=["-O2"], optional=True),
+    Extension("factory._group_arrays", ["factory/group_arrays.c"], extra_compile_args=["-O2"], optional=True),
+])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,13 @@ import pyarrow as pa
 
 from environments.groups import MASK_IGNORE, ScoredGroup
 from factory.schema import GROUP_SCHEMA, _column, _numeric, _strings
+
+try:  # group_arrays.c, built at install time (setup.py); optional: the Python path below does the same
+    from factory import _group_arrays as _native
+except ImportError:  # pragma: no cover - no C compiler when the package was installed
+    _native = None
+if os.environ.get("FACTORY_NATIVE_GROUPS", "1") == "0":
+    _native = None
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _INT32 = (-(2**31), 2**31)
@@ -161,6 +169,20 @@ class GroupColumns(Sequence[ScoredGroup]):
         storable, images_json = self._stored_json(images, generation_params)
         if not storable:
             return False
+        if _native is not None:  # the same bytes as the loop below, in one C call (~1 us against ~10)
+            try:
+                token_bytes, mask_bytes, length_bytes, logprob_bytes = _native.shared_prompt_sequences(
+                    prompt, outputs, logprobs)
+            except (TypeError, OverflowError):  # what the arrays below would refuse
+                return False
+            self.tokens.frombytes(token_bytes)
+            self.masks.frombytes(mask_bytes)
+            self.lengths.frombytes(length_bytes)
+            if logprob_bytes is not None:
+                self.logprobs.frombytes(logprob_bytes)
+            self._append_fields(size, logprobs is not None, scores, policy_version, group_id, env, item_key, run_id,
+                                messages_json, images_json, difficulty)
+            return True
         tokens, masks = self.tokens, self.masks
         marks = len(tokens), len(masks), len(self.logprobs)
         width = len(prompt)
