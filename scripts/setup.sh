@@ -11,7 +11,7 @@ if [ "${FACTORY_SKIP_APT:-0}" != "1" ] && command -v apt-get >/dev/null; then
   need=()
   # slurmctld slurmd slurm-client munge: the one-node SLURM of tests/integration/test_inference_slurm.py
   # chromium chromium-driver: the headless browser of tests/integration/test_viewer_browser.py
-  # gcc: builds factory/serve/numjson.c at install time (setup.py), the batching API's native number reader (optional)
+  # gcc: builds factory/serve/numjson.c and factory/group_arrays.c at install time (setup.py; both optional)
   # valgrind: bench/datagen/instructions.py counts a datagen worker's instructions per group with callgrind
   for pkg in ${FACTORY_APT_PACKAGES-slurmctld slurmd slurm-client munge chromium chromium-driver gcc valgrind}; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
