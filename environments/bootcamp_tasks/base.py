@@ -58,7 +58,9 @@ def parse_key(key: str) -> tuple[str, int, int]:
 def extract_answer(completion: str) -> str | None:
     """The text of the last `<answer>` tag outside any `<think>` block, or None."""
     visible = completion
-    if "<think>" in completion.lower() or _THINK_OPEN.search(completion):  # else nothing to cut (most replies)
+    # The regex also finds the non-ASCII letters IGNORECASE matches to ASCII ones ('<thİnk>'); an ASCII reply has
+    # none, and `in` over its lower case says the same at a fraction of the cost (the scorer runs per rollout).
+    if "<think>" in completion.lower() or (not completion.isascii() and _THINK_OPEN.search(completion)):
         visible = _THINK.sub("", completion)
         if "<think>" in visible.lower():
             # An unclosed think block: nothing after it counts as an answer.

@@ -147,7 +147,15 @@ def _extract_answer_with_the_regex_always(completion: str) -> str | None:
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(["<think>", "</think>", "<THINK>", "</Think>", "<thİnk>", "<thinK>", "<answer>",
-                                 "</answer>", "<ANSWER>", " 12 ", "x", "\n", "İ", "K"]), max_size=12))
+                                 "</answer>", "<ANSWER>", " 12 ", "x", "\n", "İ", "K", "<thınk>", "\u212a", "ı",
+                                 "th", "ink>", "<"]), max_size=12))
 def test_extract_answer_is_what_it_was_with_the_think_regex_always_run(parts):
     text = "".join(parts)
     assert extract_answer(text) == _extract_answer_with_the_regex_always(text)
+
+
+@pytest.mark.parametrize("opening", ["<thİnk>", "<thınk>", "<thin\u212a>", "<THINK>"])
+def test_a_think_block_opened_with_letters_ignorecase_matches_is_cut(opening):
+    # The regex matches these openings to <think> (IGNORECASE), str.lower() does not for the first three.
+    text = f"<answer>2</answer>{opening}<answer>1</answer></think>"
+    assert extract_answer(text) == _extract_answer_with_the_regex_always(text) == "2"
