@@ -76,7 +76,9 @@ def test_the_flow_folds_its_chunk_stats_and_a_rerun_reads_them(prefect_server, p
 
 def test_kill_9_mid_run_then_rerun_loses_nothing_and_duplicates_nothing(prefect_server, policy_server, tmp_path):
     job = params(policy_server, tmp_path, "killed", total_items=40, max_tokens=24)
-    job["datagen"].update(chunks_in_flight=1)
+    # One chunk per task run (min_task_s 0): with bundling, a fast machine generated chunks 1-9 in one task run and
+    # committed them within ~5 ms, between two polls, so the kill came after the last chunk (CI, 2026-11-28).
+    job["datagen"].update(chunks_in_flight=1, min_task_s=0)
     script = ("import json, sys; from flows.datagen import intern_bootcamp_datagen; "
               "intern_bootcamp_datagen(**json.loads(sys.argv[1]))")
     process = subprocess.Popen([sys.executable, "-c", script, json.dumps(job)], cwd=REPO, env=os.environ.copy(),

@@ -69,7 +69,8 @@ def test_kill_9_mid_run_then_rerun_commits_each_chunk_once_on_an_object_store(pr
     _, name = bucket
     root = f"s3://{name}/store"
     job = params(policy_server, root, tmp_path / "files", "killed", total_items=40, max_tokens=24)
-    job["datagen"].update(chunks_in_flight=1)
+    # One chunk per task run: commits spread out, so the kill lands between them (see test_datagen_flow's kill test)
+    job["datagen"].update(chunks_in_flight=1, min_task_s=0)
     script = ("import json, sys; from flows.datagen import intern_bootcamp_datagen; "
               "intern_bootcamp_datagen(**json.loads(sys.argv[1]))")
     process = subprocess.Popen([sys.executable, "-c", script, json.dumps(job)], cwd=REPO, env=os.environ.copy(),

@@ -77,7 +77,8 @@ def test_target_reached_exactly_with_curriculum_state_artifact_and_levels_on_gro
 
 
 def test_kill_9_mid_target_run_then_rerun_reaches_exactly_the_target(prefect_server, policy_server, tmp_path):
-    job = params(policy_server, tmp_path, "killed", 30, chunks_in_flight=1)
+    # One chunk per task run: commits spread out, so the kill lands between them (see test_datagen_flow's kill test)
+    job = params(policy_server, tmp_path, "killed", 30, chunks_in_flight=1, min_task_s=0)
     job["env"]["max_tokens"] = 24
     script = ("import json, sys; from flows.datagen import intern_bootcamp_datagen; "
               "intern_bootcamp_datagen(**json.loads(sys.argv[1]))")
