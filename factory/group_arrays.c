@@ -110,8 +110,6 @@ static PyObject *shared_prompt_sequences(PyObject *module, PyObject *args)
         }
         total += width + PyList_GET_SIZE(output);
     }
-    Py_INCREF(outputs); /* held while values run __index__ */
-    Py_INCREF(logprobs);
     PyObject *tokens = PyBytes_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(int32_t));
     PyObject *masks = PyBytes_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(int32_t));
     PyObject *lengths = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(int32_t));
@@ -130,7 +128,7 @@ static PyObject *shared_prompt_sequences(PyObject *module, PyObject *args)
     double *f = floats == Py_None ? NULL : (double *)PyBytes_AS_STRING(floats);
     Py_ssize_t written = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (PyList_GET_SIZE(outputs) != count || (f != NULL && PyList_GET_SIZE(logprobs) != count)) {
+        if (PyList_GET_SIZE(outputs) != count) { /* __index__ or __float__ may run code that changes the lists */
             PyErr_SetString(PyExc_TypeError, "the outputs changed while they were read");
             goto fail;
         }
@@ -175,13 +173,9 @@ static PyObject *shared_prompt_sequences(PyObject *module, PyObject *args)
         goto fail;
     }
     PyMem_Free(prompt_ids);
-    Py_DECREF(outputs);
-    Py_DECREF(logprobs);
     return Py_BuildValue("(NNNN)", tokens, masks, lengths, floats);
 fail:
     PyMem_Free(prompt_ids);
-    Py_DECREF(outputs);
-    Py_DECREF(logprobs);
     Py_XDECREF(tokens);
     Py_XDECREF(masks);
     Py_XDECREF(lengths);

@@ -182,24 +182,32 @@ class GroupColumns(Sequence[ScoredGroup]):
         storable, images_json = self._stored_json(images, generation_params)
         if not storable:
             return False
+        if not self._append_shared_prompt_sequences(prompt, outputs, logprobs):
+            return False
+        self._append_fields(size, logprobs is not None, scores, policy_version, group_id, env, item_key, run_id,
+                            messages_json, images_json, difficulty)
+        return True
+
+    def _append_shared_prompt_sequences(self, prompt: list[int], outputs: list[list[int]],
+                                        logprobs: list[list[float]] | None) -> bool:
+        """`add_shared_prompt`'s tokens, masks, lengths and logprobs; False (nothing appended) where a value does not
+        fit the arrays: an id out of int32, or not an int, is refused (as in `add`)."""
         if _native is not None:  # the same bytes as the loop below, in one C call (~1 us against ~10)
             try:
                 token_bytes, mask_bytes, length_bytes, logprob_bytes = _native.shared_prompt_sequences(
                     prompt, outputs, logprobs)
-            except (TypeError, OverflowError):  # what the arrays below would refuse
+            except (TypeError, OverflowError):
                 return False
             self.tokens.frombytes(token_bytes)
             self.masks.frombytes(mask_bytes)
             self.lengths.frombytes(length_bytes)
             if logprob_bytes is not None:
                 self.logprobs.frombytes(logprob_bytes)
-            self._append_fields(size, logprobs is not None, scores, policy_version, group_id, env, item_key, run_id,
-                                messages_json, images_json, difficulty)
             return True
         tokens, masks = self.tokens, self.masks
         marks = len(tokens), len(masks), len(self.logprobs)
         width = len(prompt)
-        try:  # the arrays check every value: an id out of int32, or not an int, is refused (as in `add`)
+        try:  # the arrays check every value
             prompt_ids = array("i", prompt)
             ignored = array("i", [MASK_IGNORE]) * width
             for output in outputs:
@@ -217,8 +225,6 @@ class GroupColumns(Sequence[ScoredGroup]):
             del tokens[marks[0]:], masks[marks[1]:], self.logprobs[marks[2]:]
             return False
         self.lengths.extend([width + len(output) for output in outputs])
-        self._append_fields(size, logprobs is not None, scores, policy_version, group_id, env, item_key, run_id,
-                            messages_json, images_json, difficulty)
         return True
 
     @staticmethod

@@ -37,7 +37,6 @@ def sequences_path(request, monkeypatch):
         monkeypatch.setattr(group_columns, "_native", None)
     elif group_columns._native is None:
         pytest.skip("factory/group_arrays.c was not built (no C compiler at install time)")
-    return request.param
 
 
 def make_item(index: int, *, images: object = None, difficulty: object = None) -> Item:
